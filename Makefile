@@ -1,0 +1,37 @@
+# The two commands a reader needs (see README.md):
+#   make book   set up .venv, dependencies and data, then render the book with Quarto
+#   make test   set up the same way, then run every test (chapters included)
+# Both are idempotent: a second run only re-installs when pyproject.toml changed.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+QUARTO_MIN := 1.9
+
+.PHONY: book test data setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[book,test]'
+	@touch $(STAMP)
+
+# Fetch and verify MNIST and Tiny Shakespeare (only checks them when BOOK_DATA_DIR is set).
+data: $(STAMP)
+	$(PY) -m torchbook.cache
+
+test: data
+	$(PY) -m pytest
+
+book: data
+	@command -v quarto >/dev/null 2>&1 || { \
+	  echo "make book needs Quarto $(QUARTO_MIN) or newer on PATH, and it is not there."; \
+	  echo "Install it from https://quarto.org/docs/get-started/ or with 'pip install quarto-cli' (needs internet)."; \
+	  exit 1; }
+	QUARTO_PYTHON=$(abspath $(PY)) quarto render
+
+clean:
+	rm -rf _book .quarto .cache .pytest_cache

@@ -1,0 +1,111 @@
+"""Choose the device and the size of every run from the active book profile.
+
+This is the only module that reads ``QUARTO_PROFILE``. Quarto sets it for the
+kernel when you render with ``--profile``; it may be a comma-separated list
+(``QUARTO_PROFILE=gpu,draft``). Tests set it the same way.
+
+- ``cpu`` (the default): the CPU and small sizes, so a render on any machine
+  gives the same numbers and every claim in the book still holds.
+- ``gpu``: CUDA (or Apple's MPS), bf16 autocast and full sizes. It stops with a
+  clear message when neither accelerator is present.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+PROFILE_VARIABLE = "QUARTO_PROFILE"
+PROFILE_NAMES = ("cpu", "gpu")
+
+
+class ProfileError(RuntimeError):
+    """The requested profile cannot run on this machine."""
+
+
+# Run sizes, one dataclass per chapter. Defaults are the cpu profile's sizes;
+# make_profile() gives the gpu profile its full sizes.
+
+
+@dataclass(frozen=True)
+class LanguageModelSizes:
+    """Chapter 3: the small causal language model trained on Tiny Shakespeare."""
+
+
+@dataclass(frozen=True)
+class DataSizes:
+    """Chapter 4: token shards, streaming and DataLoader measurements."""
+
+
+@dataclass(frozen=True)
+class CheckpointSizes:
+    """Chapter 5: checkpointing and exact resume."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Device and run sizes for one profile. Chapters read these; none hard-codes its own."""
+
+    name: str
+    device: torch.device
+    # dtype for torch.autocast, or None to run in float32.
+    autocast_dtype: torch.dtype | None
+    lm: LanguageModelSizes = LanguageModelSizes()
+    data: DataSizes = DataSizes()
+    checkpoint: CheckpointSizes = CheckpointSizes()
+    seed: int = 1337
+
+
+def parse_profile(value: str | None) -> str:
+    """Return ``"cpu"`` or ``"gpu"`` from a ``QUARTO_PROFILE`` value.
+
+    Names other than ``cpu`` and ``gpu`` belong to other Quarto profiles and are
+    ignored; asking for both at once is an error rather than a silent choice.
+    """
+    names = [part.strip() for part in (value or "").split(",") if part.strip()]
+    chosen = [name for name in names if name in PROFILE_NAMES]
+    if len(set(chosen)) > 1:
+        raise ProfileError(
+            f"{PROFILE_VARIABLE}={value!r} names both 'cpu' and 'gpu'; choose one."
+        )
+    return chosen[0] if chosen else "cpu"
+
+
+def accelerator() -> torch.device | None:
+    """The accelerator this machine has (CUDA first, then MPS), or None."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return None
+
+
+def make_profile(name: str) -> Profile:
+    """Build the profile called ``name`` for this machine."""
+    if name == "cpu":
+        return Profile(name="cpu", device=torch.device("cpu"), autocast_dtype=None)
+    if name == "gpu":
+        device = accelerator()
+        if device is None:
+            raise ProfileError(
+                "The gpu profile needs CUDA or MPS, and this machine has neither. "
+                "Render with the default cpu profile instead (quarto render), "
+                "which reuses or recomputes the small CPU results."
+            )
+        return Profile(
+            name="gpu",
+            device=device,
+            autocast_dtype=torch.bfloat16,
+            lm=LanguageModelSizes(),
+            data=DataSizes(),
+            checkpoint=CheckpointSizes(),
+        )
+    raise ProfileError(f"unknown profile {name!r}; expected one of {PROFILE_NAMES}")
+
+
+def active_profile() -> Profile:
+    """The profile named by ``QUARTO_PROFILE`` (``cpu`` when it is unset)."""
+    return make_profile(parse_profile(os.environ.get(PROFILE_VARIABLE)))

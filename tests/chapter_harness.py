@@ -1,0 +1,170 @@
+"""Run each chapter (.qmd) cell by cell under nbval, in a fresh kernel, without Quarto.
+
+What it adds to nbval:
+
+- it converts the .qmd itself (tools/qmd_notebook.py), including one extra cell
+  per block of inline `` `{python} expr` `` values, so a typo there fails here
+  and not first at render time;
+- the kernel is this interpreter's (the ``.venv``), started in ``chapters/``
+  as Quarto does, with a fresh, empty ``torch.compile`` cache;
+- a whole-chapter time limit (its budget), not only nbval's per-cell one;
+- a failure names the chapter, the cell's line and first line, and the error;
+- a cell that prints a warning fails unless it opts in with ``#| warning: true``
+  (or hides warnings with ``#| warning: false``), so no rendered page shows a
+  warning the chapter did not mean to show.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from nbformat import from_dict
+from nbval.kernel import CURRENT_ENV_KERNEL_NAME, RunningKernel
+from nbval.plugin import IPyNbCell, IPyNbFile, NbCellError, find_metadata_tags
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from qmd_notebook import QmdError, parse_qmd, to_notebook  # noqa: E402
+
+# Budgets from the book's design, on 2 CPU cores with a cold torch.compile cache.
+CHAPTER_BUDGET_S = 180.0
+LAB_BUDGET_S = 240.0
+KERNEL_STARTUP_TIMEOUT_S = 60
+WARNING_MARKERS = ("Warning:", "UserWarning", "FutureWarning", "DeprecationWarning")
+
+
+def chapter_budget_s(path: Path) -> float:
+    """Seconds the whole chapter may take: the lab gets more, as the design says."""
+    return LAB_BUDGET_S if "lab" in path.stem else CHAPTER_BUDGET_S
+
+
+def has_code(path: Path) -> bool:
+    try:
+        return any(cell.kind == "code" for cell in parse_qmd(path)[1])
+    except QmdError:
+        return True  # let collection report the error
+
+
+def pytest_collect_file(file_path: Path, parent):
+    if file_path.suffix == ".qmd" and has_code(file_path):
+        return ChapterFile.from_parent(parent, path=file_path)
+    return None
+
+
+class ChapterFile(IPyNbFile):
+    """A .qmd chapter run as one notebook in one kernel."""
+
+    def collect(self):
+        try:
+            self.nb = from_dict(to_notebook(self.path, for_tests=True))
+        except QmdError as error:
+            raise self.CollectError(str(error)) from error
+        self.budget_s = chapter_budget_s(self.path)
+        number = 0
+        for cell in self.nb.cells:
+            if cell.cell_type != "code":
+                continue
+            options = defaultdict(bool, find_metadata_tags(cell.metadata))
+            options["check"] = False  # outputs are not compared: the chapter asserts what matters
+            first_line = next((line for line in cell.source.splitlines()
+                               if line.strip() and not line.startswith("#|")), "")
+            name = f"line {cell.metadata['qmd_line']}: {first_line[:60]}"
+            yield ChapterCell.from_parent(self, name=name, cell_num=number, cell=cell, options=options)
+            number += 1
+
+    def setup(self):
+        self.started = time.monotonic()
+        self.compile_cache = tempfile.TemporaryDirectory(prefix="inductor-")
+        # The kernel inherits this environment: a cold torch.compile cache, as a fresh render has.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.compile_cache.name
+        os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+        self.kernel = RunningKernel(
+            CURRENT_ENV_KERNEL_NAME,
+            cwd=str(self.path.parent),
+            startup_timeout=KERNEL_STARTUP_TIMEOUT_S,
+        )
+        self.setup_sanitize_files()
+
+    def teardown(self):
+        super().teardown()
+        elapsed = time.monotonic() - self.started
+        self.config.stash.setdefault(CHAPTER_TIMES, {})[self.path.name] = elapsed
+        self.compile_cache.cleanup()
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+
+
+CHAPTER_TIMES = pytest.StashKey[dict]()
+
+
+class ChapterCell(IPyNbCell):
+    """One code cell of a chapter; failures say where in the .qmd it is."""
+
+    def runtest(self):
+        chapter = self.parent
+        remaining = chapter.budget_s - (time.monotonic() - chapter.started)
+        if remaining <= 0:
+            raise NbCellError(self.cell_num, self._budget_message(), self.cell.source)
+        saved = self.config.option.nbval_cell_timeout
+        self.config.option.nbval_cell_timeout = remaining
+        try:
+            super().runtest()
+        except NbCellError as error:
+            if chapter.timed_out:
+                raise NbCellError(self.cell_num, self._budget_message(), self.cell.source) from error
+            raise
+        finally:
+            self.config.option.nbval_cell_timeout = saved
+        self._refuse_unexpected_warnings()
+
+    def _budget_message(self) -> str:
+        return (f"{self.parent.path.name} ran past its budget of {self.parent.budget_s:.0f} s "
+                "for the whole chapter")
+
+    def _refuse_unexpected_warnings(self):
+        if "warning" in self.cell.metadata.get("qmd_options", {}):
+            return  # the chapter decided what to show
+        for output in self.test_outputs or []:
+            text = output.get("text", "") if output.get("name") == "stderr" else ""
+            if any(marker in text for marker in WARNING_MARKERS):
+                raise NbCellError(
+                    self.cell_num,
+                    "the cell printed a warning the chapter does not mean to show "
+                    "(fix its cause, or add '#| warning: false' / '#| warning: true')",
+                    self.cell.source,
+                    text,
+                )
+
+    def repr_failure(self, excinfo):
+        chapter = self.parent.path
+        line = self.cell.metadata.get("qmd_line")
+        first = self.name.split(": ", 1)[-1]
+        heading = f"{chapter.parent.name}/{chapter.name}:{line}: cell `{first}` failed"
+        error = excinfo.value
+        if isinstance(error, NbCellError):
+            detail = str(error)
+            if error.inner_traceback:
+                detail += "\n" + _last_lines(error.inner_traceback, 25)
+            return f"{heading}\n{detail}"
+        return f"{heading}\n{super().repr_failure(excinfo)}"
+
+    def reportinfo(self):
+        return self.path, self.cell.metadata.get("qmd_line", 1) - 1, f"{self.path.name}::{self.name}"
+
+
+def _last_lines(text: str, count: int) -> str:
+    lines = text.strip("\n").splitlines()
+    return "\n".join(lines[-count:])
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    times = config.stash.get(CHAPTER_TIMES, {})
+    if not times:
+        return
+    terminalreporter.section("chapter times")
+    for name, seconds in sorted(times.items()):
+        terminalreporter.write_line(f"{name}: {seconds:.1f} s")

@@ -1,0 +1,208 @@
+"""Convert a Quarto chapter (.qmd) into a Jupyter notebook, without Quarto.
+
+The same converter serves two readers:
+
+- the tests (``tests/chapter_harness.py``) run the notebook cell by cell under
+  nbval. For them it also turns each inline value in the prose
+  (`` `{python} expr` ``) into an extra code cell placed after the code cell
+  it follows, and tags ``#| eval: false`` cells so nbval skips them;
+- the book's readers download it: ``_quarto.yml`` runs this file as a
+  post-render script, which writes ``<chapter>.ipynb`` beside each rendered
+  chapter page.
+
+Cell options (the leading ``#|`` lines of a cell) are parsed as YAML; a
+malformed one raises ``QmdError`` naming the chapter and line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+EXECUTABLE_FENCE = re.compile(r"^(`{3,})\{python(?:[ ,][^}]*)?\}\s*$")
+ANY_FENCE = re.compile(r"^(`{3,}|~{3,})")
+INLINE_VALUE = re.compile(r"`\{python\}\s+([^`]+)`")
+SKIP_TAG = "nbval-skip"
+
+
+class QmdError(ValueError):
+    """A chapter cannot be converted; the message names the file and line."""
+
+
+@dataclass
+class Cell:
+    kind: str  # "code" or "markdown"
+    source: str
+    line: int  # 1-based line of the cell's first line in the .qmd
+    options: dict = field(default_factory=dict)
+
+
+def _split_front_matter(lines: list[str], path: Path) -> tuple[dict, int]:
+    """Return the YAML front matter and the index of the first line after it."""
+    if not lines or lines[0].strip() != "---":
+        return {}, 0
+    for end in range(1, len(lines)):
+        if lines[end].strip() in ("---", "..."):
+            try:
+                meta = yaml.safe_load("\n".join(lines[1:end])) or {}
+            except yaml.YAMLError as error:
+                raise QmdError(f"{path}:1: front matter is not valid YAML: {error}") from error
+            return meta, end + 1
+    raise QmdError(f"{path}:1: front matter opened with '---' is never closed")
+
+
+def _parse_options(body: list[str], first_line: int, path: Path) -> dict:
+    """Parse the leading ``#|`` lines of a code cell as one YAML mapping."""
+    option_lines = []
+    for text in body:
+        if not text.startswith("#|"):
+            break
+        option_lines.append(text[2:].removeprefix(" "))
+    if not option_lines:
+        return {}
+    try:
+        options = yaml.safe_load("\n".join(option_lines))
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        line = first_line + (mark.line if mark else 0)
+        raise QmdError(f"{path}:{line}: cell option is not valid YAML: {error}") from error
+    if not isinstance(options, dict):
+        raise QmdError(
+            f"{path}:{first_line}: cell options must be 'key: value' lines, got {option_lines[0]!r}"
+        )
+    return options
+
+
+def parse_qmd(path: Path) -> tuple[dict, list[Cell]]:
+    """Split a .qmd file into its front matter and a list of markdown and code cells."""
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    meta, index = _split_front_matter(lines, path)
+    cells: list[Cell] = []
+    markdown: list[str] = []
+    markdown_start = index + 1
+
+    def flush_markdown() -> None:
+        text = "\n".join(markdown).strip("\n")
+        if text.strip():
+            cells.append(Cell("markdown", text, markdown_start))
+        markdown.clear()
+
+    while index < len(lines):
+        text = lines[index]
+        executable = EXECUTABLE_FENCE.match(text)
+        other = ANY_FENCE.match(text)
+        if executable or other:
+            fence = (executable or other).group(1)
+            closing = next(
+                (j for j in range(index + 1, len(lines))
+                 if lines[j].strip().startswith(fence[0] * len(fence))
+                 and lines[j].strip().strip(fence[0]) == ""),
+                None,
+            )
+            if closing is None:
+                raise QmdError(f"{path}:{index + 1}: code fence {fence} is never closed")
+            if executable:
+                flush_markdown()
+                body = lines[index + 1 : closing]
+                options = _parse_options(body, index + 2, path)
+                cells.append(Cell("code", "\n".join(body), index + 2, options))
+                markdown_start = closing + 2
+            else:
+                markdown.extend(lines[index : closing + 1])
+            index = closing + 1
+            continue
+        markdown.append(text)
+        index += 1
+    flush_markdown()
+    return meta, cells
+
+
+def _inline_value_cell(cell: Cell) -> str | None:
+    """Code that evaluates every inline `` `{python} expr` `` of a markdown cell, or None."""
+    expressions = INLINE_VALUE.findall(cell.source)
+    if not expressions:
+        return None
+    lines = [f"# inline values from the prose at line {cell.line}"]
+    lines += [f"print({expr.strip()})" for expr in expressions]
+    return "\n".join(lines)
+
+
+def to_notebook(path: Path, for_tests: bool = False) -> dict:
+    """Build an nbformat-4 notebook (as a dict) from a chapter.
+
+    ``for_tests`` adds the inline-value cells and the nbval skip tags.
+    """
+    path = Path(path)
+    meta, cells = parse_qmd(path)
+    notebook_cells = []
+    seen_code = False
+    for cell in cells:
+        metadata: dict = {"qmd_line": cell.line}
+        if cell.kind == "markdown":
+            notebook_cells.append(
+                {"cell_type": "markdown", "metadata": metadata, "source": cell.source}
+            )
+            inline = _inline_value_cell(cell) if for_tests else None
+            if inline is not None:
+                if not seen_code:
+                    raise QmdError(
+                        f"{path}:{cell.line}: inline `{{python}}` value before any code cell"
+                    )
+                notebook_cells.append(
+                    {"cell_type": "code", "metadata": {"qmd_line": cell.line}, "source": inline,
+                     "outputs": [], "execution_count": None}
+                )
+            continue
+        seen_code = True
+        metadata["qmd_options"] = cell.options
+        if for_tests and cell.options.get("eval") is False:
+            metadata["tags"] = [SKIP_TAG]
+        notebook_cells.append(
+            {"cell_type": "code", "metadata": metadata, "source": cell.source,
+             "outputs": [], "execution_count": None}
+        )
+    title = meta.get("title", path.stem)
+    return {
+        "nbformat": 4,
+        "nbformat_minor": 5,
+        "metadata": {
+            "title": title,
+            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+            "language_info": {"name": "python"},
+        },
+        "cells": [{"id": f"cell-{i}", **cell} for i, cell in enumerate(notebook_cells)],
+    }
+
+
+def write_notebook(path: Path, target: Path) -> Path:
+    """Write the reader's notebook for chapter ``path`` to ``target``."""
+    notebook = to_notebook(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return target
+
+
+def write_book_notebooks(project: Path, output: Path) -> list[Path]:
+    """Write ``<output>/chapters/NN-name.ipynb`` for every chapter with code (the post-render step)."""
+    written = []
+    for chapter in sorted((project / "chapters").glob("*.qmd")):
+        if any(cell.kind == "code" for cell in parse_qmd(chapter)[1]):
+            written.append(write_notebook(chapter, output / "chapters" / f"{chapter.stem}.ipynb"))
+    return written
+
+
+if __name__ == "__main__":
+    # Quarto runs post-render scripts from the project root with these variables set.
+    project_root = Path(os.environ.get("QUARTO_PROJECT_DIR", ".")).resolve()
+    output_dir = Path(os.environ.get("QUARTO_PROJECT_OUTPUT_DIR", "_book"))
+    if not output_dir.is_absolute():
+        output_dir = project_root / output_dir
+    for written_path in write_book_notebooks(project_root, output_dir):
+        print(f"notebook: {written_path.relative_to(project_root)}", file=sys.stderr)
