@@ -1,0 +1,343 @@
+"""The book's models: a small decoder-only causal language model (GPT) and the seed's TinyMLP.
+
+The GPT is the classic pre-norm transformer, written to be read top to bottom:
+
+    token embedding
+    -> n_layer x [LayerNorm -> causal self-attention (RoPE, SDPA) -> + residual,
+                  LayerNorm -> MLP (4x, GELU)                      -> + residual]
+    -> final LayerNorm -> output head (weight tied to the token embedding) -> logits
+
+Positions enter through rotary position embeddings (RoPE) applied to queries and
+keys, so the model has no position-embedding parameters. ``forward`` returns
+logits only: the training loop computes the loss itself, in float32.
+
+This file imports only torch (plus dataclasses and math), so you can copy it
+into another project as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Standard deviation of every weight at initialisation (GPT-2's choice): small
+# enough that the first logits are nearly uniform, so the first loss is close to
+# log(vocab_size).
+INIT_STD = 0.02
+# RoPE's base: rotation frequencies run from 1 down to about 1/ROPE_BASE
+# radians per position, as in the RoFormer paper and most open LLMs.
+ROPE_BASE = 10_000.0
+# Width of the MLP's hidden layer relative to d_model.
+MLP_EXPANSION = 4
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a GPT. Every size is here; nothing is hidden in the layers."""
+
+    vocab_size: int
+    block_size: int  # longest context; the causal mask buffer is (block_size, block_size)
+    n_layer: int
+    n_head: int
+    d_model: int
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.d_model % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig.d_model={self.d_model} must be divisible by n_head={self.n_head}"
+            )
+        if (self.d_model // self.n_head) % 2 != 0:
+            raise ValueError(
+                f"GPTConfig: head size d_model/n_head = {self.d_model // self.n_head} must be "
+                "even, because RoPE rotates pairs of features"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def head_size(self) -> int:
+        return self.d_model // self.n_head
+
+
+def rope_tables(head_size: int, block_size: int, base: float = ROPE_BASE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine and sine tables, each (block_size, head_size), for rotary position embeddings.
+
+    Feature pair i of position t is rotated by the angle t * base**(-2i/head_size).
+    Both halves of the last dimension carry the same angles, matching
+    ``rotate_half`` below (the "split halves" convention used by GPT-NeoX and Llama).
+    """
+    inv_freq = base ** (-torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
+    positions = torch.arange(block_size, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # (block_size, head_size/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (block_size, head_size)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate queries or keys ``x`` (B, H, T, head_size) by their positions' angles.
+
+    The tables stay float32 under autocast; the result is cast back to x's dtype
+    so that q, k and v reach attention with one dtype.
+    """
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+def masked_softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+    dropout_p: float = 0.0, training: bool = False,
+) -> torch.Tensor:
+    """Attention written out: softmax(q k^T / sqrt(d) with masked scores at -inf) v.
+
+    ``mask`` is boolean, True where a query may look at a key. This is the
+    textbook computation that ``F.scaled_dot_product_attention(..., is_causal=True)``
+    replaces with a fused kernel that never materialises the (T, T) scores; it is
+    kept as a reference to test against and to read.
+    """
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = F.dropout(scores.softmax(dim=-1), p=dropout_p, training=training)
+    return weights @ v
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with RoPE on queries and keys."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)  # a residual projection
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        causal_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(B, T, d_model) -> (B, T, d_model).
+
+        With ``causal_mask=None`` (the normal path) attention is
+        ``F.scaled_dot_product_attention(is_causal=True)``; given a boolean (T, T)
+        mask it runs ``masked_softmax_attention`` instead, the reference path.
+        """
+        batch, steps, width = x.shape
+        # (B, T, 3*C) -> (3, B, H, T, head_size): one matmul for q, k and v.
+        qkv = self.qkv(x).view(batch, steps, 3, self.n_head, width // self.n_head)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        dropout_p = self.dropout if self.training else 0.0
+        if causal_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        else:
+            y = masked_softmax_attention(q, k, v, causal_mask, dropout_p, self.training)
+        y = y.transpose(1, 2).reshape(batch, steps, width)  # heads back side by side
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: d_model -> 4 d_model -> GELU -> d_model."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, MLP_EXPANSION * config.d_model)
+        self.proj = nn.Linear(MLP_EXPANSION * config.d_model, config.d_model)  # a residual projection
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln_mlp = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        causal_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_attn(x), cos, sin, causal_mask)
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class GPT(nn.Module):
+    """A small decoder-only causal language model: (B, T) token ids -> (B, T, vocab) logits.
+
+    Buffers, all registered with ``persistent=False``:
+
+    - ``causal_mask`` (block_size, block_size), bool, True on and below the
+      diagonal. SDPA's ``is_causal=True`` does not need it; ``forward_reference``
+      uses it. It is not saved in ``state_dict`` because it is a pure function of
+      ``block_size``: the config rebuilds it, and a checkpoint that carried it
+      would only be larger and could disagree with the config.
+    - ``rope_cos`` and ``rope_sin`` (block_size, head_size), float32: RoPE's
+      tables, also derived from the config, so also not saved.
+
+    Buffers move with ``.to(device)`` like parameters; ``.to(dtype)`` converts
+    the floating-point ones (the RoPE tables) and leaves the bool mask alone.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_final = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # Weight tying: the head that scores each token shares the matrix that
+        # embeds it. One Parameter, two uses: vocab_size * d_model fewer weights.
+        self.lm_head.weight = self.token_embedding.weight
+
+        mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
+        self.register_buffer("causal_mask", mask, persistent=False)
+        cos, sin = rope_tables(config.head_size, config.block_size)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+        self.apply(self._init_weights)
+        self._scale_residual_projections()
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        """Normal(0, 0.02) for linear and embedding weights, zero biases.
+
+        PyTorch's default Linear init depends on fan-in and its Embedding init is
+        N(0, 1); with a tied head, N(0, 1) embeddings would make the first logits
+        huge. A single small std (GPT-2's 0.02) gives near-uniform first
+        predictions, so training starts near loss = log(vocab_size).
+        LayerNorm keeps its default (weight 1, bias 0).
+        """
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def _scale_residual_projections(self) -> None:
+        """Re-initialise the two projections that write into the residual stream.
+
+        Each block adds two outputs to the residual stream, so at initialisation
+        its variance grows with the 2 * n_layer additions. Scaling those
+        projections' std by 1/sqrt(2 * n_layer) (GPT-2) keeps the stream's scale
+        roughly independent of depth.
+        """
+        std = INIT_STD / math.sqrt(2 * self.config.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=std)
+            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=std)
+
+    def _check_idx(self, idx: torch.Tensor) -> None:
+        if idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"GPT.forward: idx must hold integer token ids (int64 or int32), got dtype {idx.dtype}"
+            )
+        if idx.dim() != 2:
+            raise ValueError(
+                f"GPT.forward: idx must be 2-D (batch, time), got shape {tuple(idx.shape)}"
+            )
+        if idx.size(1) > self.config.block_size:
+            raise ValueError(
+                f"GPT.forward: idx has {idx.size(1)} positions but block_size is "
+                f"{self.config.block_size}; crop the context to its last block_size tokens"
+            )
+
+    def _forward(self, idx: torch.Tensor, causal_mask: torch.Tensor | None) -> torch.Tensor:
+        self._check_idx(idx)
+        steps = idx.size(1)
+        cos, sin = self.rope_cos[:steps], self.rope_sin[:steps]
+        x = self.dropout(self.token_embedding(idx))
+        for block in self.blocks:
+            x = block(x, cos, sin, causal_mask)
+        return self.lm_head(self.ln_final(x))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab_size) for token ids ``idx`` (B, T), T <= block_size.
+
+        No loss here: the training loop computes cross-entropy in float32 even
+        when this runs under autocast.
+        """
+        return self._forward(idx, causal_mask=None)
+
+    def forward_reference(self, idx: torch.Tensor) -> torch.Tensor:
+        """The same computation with explicit masked-softmax attention and ``causal_mask``.
+
+        Slower (it builds every (T, T) score matrix); it exists to check that
+        SDPA's ``is_causal=True`` means what the mask says.
+        """
+        steps = idx.size(1) if idx.dim() == 2 else 0
+        return self._forward(idx, causal_mask=self.causal_mask[:steps, :steps])
+
+    @torch.inference_mode()
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+        top_k: int | None = None, generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T); returns (B, T + max_new_tokens).
+
+        Each step feeds at most the last block_size tokens, divides the last
+        position's logits by ``temperature``, keeps the ``top_k`` largest if
+        given, and draws from the softmax with ``generator``. Sampling runs on
+        the generator's device, so a CPU generator gives the same draws whatever
+        device holds the model. The model's train/eval mode is left as it is:
+        call ``model.eval()`` first so dropout is off.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"GPT.generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+        if temperature <= 0:
+            raise ValueError(f"GPT.generate: temperature must be > 0, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"GPT.generate: top_k must be >= 1 or None, got {top_k}")
+        self._check_idx(idx[:, -self.config.block_size:] if idx.dim() == 2 else idx)
+        sample_device = generator.device if generator is not None else idx.device
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size:]
+            logits = self(context)[:, -1, :].float() / temperature
+            if top_k is not None:
+                kth_largest = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+            probs = logits.softmax(dim=-1).to(sample_device)
+            next_token = torch.multinomial(probs, num_samples=1, generator=generator)
+            idx = torch.cat((idx, next_token.to(device=idx.device, dtype=idx.dtype)), dim=1)
+        return idx
+
+
+class TinyMLP(nn.Module):
+    """The seed lesson's MLP: Linear(in, hidden) -> ReLU -> Linear(hidden, out)."""
+
+    def __init__(self, in_features: int = 64, hidden: int = 256, out_features: int = 10) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.fc2 = nn.Linear(hidden, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in_features) -> (..., out_features) logits."""
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
+    """Number of scalar parameters in ``model``; only those with requires_grad by default.
+
+    ``model.parameters()`` yields each Parameter object once, so a tied weight
+    (the GPT's embedding and head) is counted once, as it is stored and trained once.
+    """
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
