@@ -24,7 +24,7 @@ data: $(STAMP)
 	$(PY) -m torchbook.cache
 
 test: data
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 book: data
 	@command -v quarto >/dev/null 2>&1 || { \

@@ -89,9 +89,10 @@ def parse_qmd(path: Path) -> tuple[dict, list[Cell]]:
     markdown_start = index + 1
 
     def flush_markdown() -> None:
-        text = "\n".join(markdown).strip("\n")
+        leading_blank = next((i for i, text in enumerate(markdown) if text.strip()), len(markdown))
+        text = "\n".join(markdown[leading_blank:]).rstrip("\n")
         if text.strip():
-            cells.append(Cell("markdown", text, markdown_start))
+            cells.append(Cell("markdown", text, markdown_start + leading_blank))
         markdown.clear()
 
     while index < len(lines):
@@ -126,11 +127,15 @@ def parse_qmd(path: Path) -> tuple[dict, list[Cell]]:
 
 def _inline_value_cell(cell: Cell) -> str | None:
     """Code that evaluates every inline `` `{python} expr` `` of a markdown cell, or None."""
-    expressions = INLINE_VALUE.findall(cell.source)
-    if not expressions:
+    found = [
+        (cell.line + offset, expr.strip())
+        for offset, text in enumerate(cell.source.splitlines())
+        for expr in INLINE_VALUE.findall(text)
+    ]
+    if not found:
         return None
-    lines = [f"# inline values from the prose at line {cell.line}"]
-    lines += [f"print({expr.strip()})" for expr in expressions]
+    lines = [f"# inline values from the prose at line {found[0][0]}"]
+    lines += [f"print({expr})  # line {line}" for line, expr in found]
     return "\n".join(lines)
 
 

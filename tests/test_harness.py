@@ -1,0 +1,121 @@
+"""The chapter harness must be able to fail: broken chapters are run in a separate pytest."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_chapter(tmp_path: Path, text: str, *extra: str) -> subprocess.CompletedProcess:
+    """Run pytest with only the chapter harness on one chapter written to tmp_path."""
+    chapter = tmp_path / "broken.qmd"
+    chapter.write_text(textwrap.dedent(text).lstrip(), encoding="utf-8")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n", encoding="utf-8")
+    command = [sys.executable, "-m", "pytest", "-p", "tests.chapter_harness", "-p", "no:cacheprovider",
+               "-c", str(tmp_path / "pytest.ini"), str(chapter), *extra]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_failing_cell_reports_chapter_line_first_line_and_error(tmp_path):
+    result = run_chapter(tmp_path, """
+        ---
+        title: "Broken"
+        ---
+
+        ```{python}
+        values = [1, 2, 3]
+        ```
+
+        ```{python}
+        total = sum(values)
+        assert total == 7, f"total is {total}, expected 7"
+        ```
+        """)
+    assert result.returncode == 1, result.stdout
+    assert "broken.qmd:10: cell `total = sum(values)` failed" in result.stdout
+    assert "AssertionError" in result.stdout and "total is 6, expected 7" in result.stdout
+    assert "1 failed, 1 passed" in result.stdout
+
+
+@pytest.mark.slow
+def test_inline_value_typo_fails_like_a_cell(tmp_path):
+    result = run_chapter(tmp_path, """
+        ```{python}
+        accuracy = 0.98
+        ```
+
+        The accuracy is `{python} f"{acuracy:.1%}"`.
+        """)
+    assert result.returncode == 1, result.stdout
+    assert "inline values from the prose at line 5" in result.stdout
+    assert "NameError" in result.stdout
+
+
+@pytest.mark.slow
+def test_eval_false_cell_is_skipped(tmp_path):
+    result = run_chapter(tmp_path, """
+        ```{python}
+        #| eval: false
+        raise RuntimeError("must not run")
+        ```
+
+        ```{python}
+        x = 1
+        ```
+        """)
+    assert result.returncode == 0, result.stdout
+    assert "1 passed, 1 skipped" in result.stdout
+
+
+@pytest.mark.slow
+def test_unexpected_warning_fails_the_cell(tmp_path):
+    result = run_chapter(tmp_path, """
+        ```{python}
+        import warnings
+        warnings.warn("something the reader should not see")
+        ```
+
+        ```{python}
+        #| warning: false
+        import warnings
+        warnings.warn("hidden on the page, so allowed")
+        ```
+        """)
+    assert result.returncode == 1, result.stdout
+    assert "printed a warning the chapter does not mean to show" in result.stdout
+    assert "1 failed, 1 passed" in result.stdout
+
+
+@pytest.mark.slow
+def test_chapter_over_its_budget_fails(tmp_path):
+    result = run_chapter(tmp_path, """
+        ```{python}
+        import time
+        time.sleep(30)
+        ```
+
+        ```{python}
+        x = 1
+        ```
+        """, "--chapter-budget", "8")
+    assert result.returncode == 1, result.stdout
+    assert "ran past its budget of 8 s for the whole chapter" in result.stdout
+
+
+@pytest.mark.slow
+def test_malformed_option_fails_collection_naming_chapter_and_line(tmp_path):
+    result = run_chapter(tmp_path, """
+        ```{python}
+        #| fig-cap: "unclosed
+        x = 1
+        ```
+        """)
+    assert result.returncode != 0
+    assert "broken.qmd:2: cell option is not valid YAML" in result.stdout
