@@ -1,0 +1,402 @@
+"""The token pipeline: token ids on disk as shards, streamed back as ``(x, y)`` batches.
+
+Three pieces, top to bottom:
+
+1. ``TokenDataset``: the seed lesson's map-style dataset. It slices a Python
+   list and builds two tensors per item. Correct, simple, and slow: every
+   token passes through the Python interpreter on every read.
+2. Shards: ``write_shard`` stores token ids as a flat ``.bin`` file (uint16
+   when the vocabulary fits, uint32 otherwise) with a small JSON sidecar
+   (``.json``) recording dtype, token count, vocabulary size and tokenizer.
+   ``open_shard`` validates the pair and maps the file with ``np.memmap``, so
+   a shard of any size costs no memory until its pages are read.
+3. ``TokenStream``: an ``IterableDataset`` that yields whole batches
+   ``(x, y)`` of shape ``(batch_size, block_size)``, each built with one
+   fancy-index gather from the memmap; no per-token Python loop. Use it with
+   ``DataLoader(stream, batch_size=None)``.
+
+How the stream divides the work
+-------------------------------
+A *block* is ``block_size + 1`` consecutive tokens starting at a multiple of
+``block_size`` inside one shard (``x`` is the first ``block_size`` of them,
+``y`` the last ``block_size``). Each epoch orders all blocks (a permutation
+seeded by ``(seed, epoch)``, identical on every process, or the file order),
+cuts the order into global batches of ``batch_size`` blocks, deals global
+batch ``g`` to rank ``g % world_size``, and deals the rank's ``k``-th batch to
+DataLoader worker ``k % num_workers``. The DataLoader collects from its
+workers round robin, so the training loop sees the rank's batches in the same
+order whatever the number of workers.
+
+Every rank must run the same number of steps, or DDP waits forever for the
+rank that stopped early. So each epoch uses the largest multiple of
+``world_size * batch_size`` blocks; the rest (``dropped_blocks_per_epoch``)
+are left out and reported, never silently. With shuffling they are different
+blocks each epoch.
+
+Resuming
+--------
+DataLoader workers prefetch batches ahead of the training loop, so the
+dataset object cannot know how far training got. The loop does: it counts
+the batches it took, passes that count to ``state_dict(batches_consumed)``,
+and a fresh stream given ``load_state_dict(state)`` starts exactly at the
+next batch, in the same epoch and order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+SHARD_FORMAT = "torchbook-token-shard"
+SHARD_VERSION = 1
+UINT16_VOCAB_LIMIT = 1 << 16  # ids 0..65535 fit in two bytes
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+class ShardError(ValueError):
+    """A shard or its sidecar is missing, inconsistent, or does not fit the request."""
+
+
+# ---------------------------------------------------------------------------
+# 1. The seed lesson's dataset
+# ---------------------------------------------------------------------------
+
+
+class TokenDataset(Dataset):
+    """Map-style dataset over a Python list of token ids: item ``i`` is ``(tokens[i:i+T], tokens[i+1:i+T+1])``.
+
+    Kept as the seed lesson wrote it, to be measured: each item copies
+    ``2 * block_size`` Python ints into two new tensors, one by one.
+    """
+
+    def __init__(self, tokens: Sequence[int], block_size: int) -> None:
+        if len(tokens) < block_size + 1:
+            raise ShardError(
+                f"TokenDataset: block_size={block_size} needs at least {block_size + 1} tokens, "
+                f"but the data has {len(tokens)}"
+            )
+        self.tokens = tokens
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return len(self.tokens) - self.block_size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.tensor(self.tokens[index : index + self.block_size])
+        y = torch.tensor(self.tokens[index + 1 : index + self.block_size + 1])
+        return x, y
+
+
+# ---------------------------------------------------------------------------
+# 2. Shards on disk
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """What the sidecar ``<shard>.json`` says about ``<shard>.bin``."""
+
+    dtype: str  # "uint16" or "uint32"
+    num_tokens: int
+    vocab_size: int
+    tokenizer: str  # file name or description of the tokenizer that produced the ids
+    format: str = SHARD_FORMAT
+    version: int = SHARD_VERSION
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every id of a vocabulary: uint16 up to 65,536 ids."""
+    if vocab_size <= 0:
+        raise ShardError(f"vocab_size={vocab_size}: expected a positive number of token ids")
+    return np.dtype(np.uint16 if vocab_size <= UINT16_VOCAB_LIMIT else np.uint32)
+
+
+def sidecar_path(shard: Path | str) -> Path:
+    """The JSON sidecar that describes a ``.bin`` shard."""
+    return Path(shard).with_suffix(".json")
+
+
+def write_shard(path: Path | str, tokens: np.ndarray | Sequence[int], vocab_size: int, tokenizer: str) -> Path:
+    """Write token ids to ``path`` (a ``.bin`` file) and its sidecar; return the path.
+
+    Every id is checked against ``vocab_size`` before anything is written. Both
+    files are written under temporary names and renamed into place, the sidecar
+    last, so an interrupted write never leaves a pair that looks complete.
+    """
+    path = Path(path)
+    if path.suffix != ".bin":
+        raise ShardError(f"{path}: a shard's file name must end in .bin")
+    ids = np.asarray(tokens)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ShardError(f"{path}: expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ShardError(f"{path}: token ids must be integers, got dtype {ids.dtype}")
+    dtype = token_dtype(vocab_size)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
+        raise ShardError(
+            f"{path}: token id {int(ids[bad])} at position {bad:,} is outside the vocabulary "
+            f"[0, {vocab_size}); nothing was written"
+        )
+    header = ShardHeader(dtype=dtype.name, num_tokens=int(ids.size), vocab_size=vocab_size, tokenizer=tokenizer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial_bin = path.with_name(path.name + ".partial")
+    partial_json = path.with_name(sidecar_path(path).name + ".partial")
+    ids.astype(dtype).tofile(partial_bin)
+    partial_json.write_text(json.dumps(asdict(header), indent=2) + "\n")
+    os.replace(partial_bin, path)
+    os.replace(partial_json, sidecar_path(path))
+    return path
+
+
+def write_shards(
+    tokens: np.ndarray | Sequence[int],
+    folder: Path | str,
+    vocab_size: int,
+    tokenizer: str,
+    tokens_per_shard: int,
+    prefix: str = "shard",
+) -> list[Path]:
+    """Split ``tokens`` into shards of ``tokens_per_shard`` ids named ``<prefix>_000.bin``, ...; return their paths."""
+    if tokens_per_shard <= 0:
+        raise ShardError(f"tokens_per_shard={tokens_per_shard}: expected a positive count")
+    ids = np.asarray(tokens)
+    folder = Path(folder)
+    return [
+        write_shard(folder / f"{prefix}_{number:03d}.bin", ids[start : start + tokens_per_shard], vocab_size, tokenizer)
+        for number, start in enumerate(range(0, len(ids), tokens_per_shard))
+    ]
+
+
+def read_header(path: Path | str) -> ShardHeader:
+    """Read and validate the sidecar of shard ``path`` against the shard's size on disk."""
+    path = Path(path)
+    meta = sidecar_path(path)
+    if not path.is_file():
+        raise ShardError(f"{path}: shard file is missing (expected a .bin written by write_shard)")
+    if not meta.is_file():
+        raise ShardError(f"{meta}: sidecar is missing; without it {path.name} has no known dtype or length")
+    try:
+        fields = json.loads(meta.read_text())
+        header = ShardHeader(**fields)
+    except (json.JSONDecodeError, TypeError) as error:
+        raise ShardError(f"{meta}: not a shard sidecar ({error}); expected the fields of ShardHeader") from error
+    if header.format != SHARD_FORMAT or header.version != SHARD_VERSION:
+        raise ShardError(
+            f"{meta}: format {header.format!r} version {header.version}, "
+            f"expected {SHARD_FORMAT!r} version {SHARD_VERSION}"
+        )
+    if header.dtype not in TOKEN_DTYPES:
+        raise ShardError(f"{meta}: dtype {header.dtype!r}, expected one of {TOKEN_DTYPES}")
+    if header.dtype != token_dtype(header.vocab_size).name:
+        raise ShardError(
+            f"{meta}: dtype {header.dtype} disagrees with vocab_size {header.vocab_size:,}, "
+            f"which write_shard stores as {token_dtype(header.vocab_size).name}"
+        )
+    itemsize = np.dtype(header.dtype).itemsize
+    expected_bytes = header.num_tokens * itemsize
+    actual_bytes = path.stat().st_size
+    if actual_bytes != expected_bytes:
+        other = "uint32" if header.dtype == "uint16" else "uint16"
+        hint = (
+            f"; that is exactly {header.num_tokens:,} {other} tokens, was it written with another dtype?"
+            if actual_bytes == header.num_tokens * np.dtype(other).itemsize
+            else "; was the write interrupted?"
+        )
+        raise ShardError(
+            f"{path}: header says {header.num_tokens:,} {header.dtype} tokens ({expected_bytes:,} bytes) "
+            f"but the file has {actual_bytes:,} bytes{hint}"
+        )
+    return header
+
+
+def open_shard(path: Path | str, check_ids: bool = False) -> np.memmap:
+    """Validate shard ``path`` and map it read-only as a 1-D array of token ids.
+
+    ``check_ids=True`` also reads the whole shard once to confirm every id is
+    below the vocabulary size (write_shard already checked when it wrote).
+    """
+    header = read_header(path)
+    tokens = np.memmap(path, dtype=header.dtype, mode="r", shape=(header.num_tokens,))
+    if check_ids:
+        high = int(tokens.max())
+        if high >= header.vocab_size:
+            position = int(np.argmax(tokens >= header.vocab_size))
+            raise ShardError(
+                f"{path}: token id {high} (first bad one at position {position:,}) is outside "
+                f"the vocabulary [0, {header.vocab_size}) that its sidecar declares"
+            )
+    return tokens
+
+
+# ---------------------------------------------------------------------------
+# 3. Streaming batches from shards
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """How ``TokenStream`` cuts, orders and divides the blocks."""
+
+    block_size: int = 256
+    batch_size: int = 32
+    shuffle: bool = True  # seeded random order of blocks, new each epoch; False: file order
+    seed: int = 0
+    epochs: int | None = 1  # None: repeat epochs forever (count steps, not epochs)
+    rank: int = 0  # this process's rank in distributed training
+    world_size: int = 1
+
+
+# Fields a saved position must agree on; any difference changes which batch comes next.
+_POSITION_KEYS = ("block_size", "batch_size", "shuffle", "seed", "world_size", "rank")
+
+
+class TokenStream(IterableDataset):
+    """Yield ``(x, y)`` int64 batches of shape ``(batch_size, block_size)`` from token shards.
+
+    ``y`` is ``x`` shifted by one token. Use with ``DataLoader(stream,
+    batch_size=None, num_workers=...)``; every worker and every rank reads
+    disjoint batches (see the module docstring). Shards are validated here,
+    in the constructor, and mapped lazily in each worker.
+    """
+
+    def __init__(self, shards: Sequence[Path | str], config: StreamConfig) -> None:
+        if not shards:
+            raise ShardError("TokenStream: no shards given")
+        if config.block_size <= 0 or config.batch_size <= 0:
+            raise ShardError(f"{config}: block_size and batch_size must be positive")
+        if not 0 <= config.rank < config.world_size:
+            raise ShardError(f"{config}: expected 0 <= rank < world_size")
+        self.paths = [Path(p) for p in shards]
+        self.config = config
+        headers = [read_header(p) for p in self.paths]
+        counts = np.array([h.num_tokens for h in headers], dtype=np.int64)
+        block = config.block_size
+        # A block needs block_size + 1 tokens; consecutive blocks share one token.
+        blocks_per_shard = np.maximum((counts - 1) // block, 0)
+        self.num_blocks = int(blocks_per_shard.sum())
+        if self.num_blocks == 0:
+            raise ShardError(
+                f"{', '.join(map(str, self.paths))}: block_size={block} needs at least {block + 1} tokens "
+                f"in one shard, but the longest has {int(counts.max()):,}"
+            )
+        self.block_shard = np.repeat(np.arange(len(self.paths), dtype=np.int32), blocks_per_shard)
+        self.block_start = np.concatenate([np.arange(n, dtype=np.int64) * block for n in blocks_per_shard])
+        # Tokens after each shard's last full block never appear in any x or y.
+        self.unused_tail_tokens = int((counts - blocks_per_shard * block - 1).clip(min=0).sum())
+        per_step = config.world_size * config.batch_size
+        self.batches_per_epoch = self.num_blocks // per_step  # on each rank
+        if self.batches_per_epoch == 0:
+            raise ShardError(
+                f"{', '.join(map(str, self.paths))}: {self.num_blocks:,} blocks of {block} tokens are fewer than "
+                f"one step of {config.world_size} rank(s) x {config.batch_size} blocks"
+            )
+        self.dropped_blocks_per_epoch = self.num_blocks - self.batches_per_epoch * per_step
+        self.start_batch = 0  # position to resume from, in batches this rank has consumed
+        self._offsets = np.arange(block + 1, dtype=np.int64)
+        self._tokens: list[np.memmap] | None = None  # opened lazily, once per process
+
+    # -- positions ----------------------------------------------------------
+
+    def state_dict(self, batches_consumed: int) -> dict:
+        """The position after the training loop has consumed ``batches_consumed`` batches in total.
+
+        Count from the very start of training (not from the last resume); the
+        configuration is saved too, so a stream that would order batches
+        differently refuses the position instead of silently skipping data.
+        """
+        if batches_consumed < 0:
+            raise ValueError(f"batches_consumed={batches_consumed}: expected a count >= 0")
+        state = {key: getattr(self.config, key) for key in _POSITION_KEYS}
+        state.update(batches_consumed=int(batches_consumed), num_blocks=self.num_blocks)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Start the next iteration at the batch after the ``batches_consumed`` saved in ``state``."""
+        expected = {key: getattr(self.config, key) for key in _POSITION_KEYS}
+        expected["num_blocks"] = self.num_blocks
+        missing = sorted(set(expected) - set(state)) + ([] if "batches_consumed" in state else ["batches_consumed"])
+        if missing:
+            raise ValueError(f"stream state lacks {missing}; expected a dict from TokenStream.state_dict")
+        differs = {key: (state[key], value) for key, value in expected.items() if state[key] != value}
+        if differs:
+            detail = ", ".join(f"{key} saved {saved!r} but this stream has {now!r}" for key, (saved, now) in differs.items())
+            raise ValueError(f"cannot resume this stream: {detail}")
+        position = int(state["batches_consumed"])
+        total = self._total_batches()
+        if position < 0 or (total is not None and position > total):
+            raise ValueError(f"batches_consumed={position}: expected 0..{total} for this stream")
+        self.start_batch = position
+
+    def _total_batches(self) -> int | None:
+        epochs = self.config.epochs
+        return None if epochs is None else epochs * self.batches_per_epoch
+
+    def __len__(self) -> int:
+        """Batches one iteration yields on this rank, from the current start position."""
+        total = self._total_batches()
+        if total is None:
+            raise TypeError("TokenStream with epochs=None repeats forever and has no length")
+        return total - self.start_batch
+
+    # -- order --------------------------------------------------------------
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """All block ids of ``epoch`` in the order they are read (before dealing to ranks).
+
+        Seeded by the pair ``(seed, epoch)``, so seed 1 epoch 0 and seed 0
+        epoch 1 are different orders (``seed + epoch`` would make them equal).
+        """
+        if not self.config.shuffle:
+            return np.arange(self.num_blocks)
+        return np.random.default_rng((self.config.seed, epoch)).permutation(self.num_blocks)
+
+    def rank_batches(self, epoch: int) -> np.ndarray:
+        """Block ids of this rank's batches in ``epoch``, shape ``(batches_per_epoch, batch_size)``."""
+        cfg = self.config
+        used = self.batches_per_epoch * cfg.world_size * cfg.batch_size
+        global_batches = self.epoch_order(epoch)[:used].reshape(-1, cfg.batch_size)
+        return global_batches[cfg.rank :: cfg.world_size]
+
+    # -- reading ------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        # Pickled into DataLoader workers (spawn on macOS/Windows): send paths, never the mapped data.
+        state = self.__dict__.copy()
+        state["_tokens"] = None
+        return state
+
+    def gather(self, block_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the blocks ``block_ids`` as int64 ``(x, y)``, one fancy-index gather per shard involved."""
+        if self._tokens is None:
+            self._tokens = [open_shard(p) for p in self.paths]
+        shard_of = self.block_shard[block_ids]
+        starts = self.block_start[block_ids]
+        rows = np.empty((len(block_ids), self.config.block_size + 1), dtype=np.int64)
+        for shard in np.unique(shard_of):
+            pick = shard_of == shard
+            rows[pick] = self._tokens[shard][starts[pick, None] + self._offsets]
+        x = torch.from_numpy(rows[:, :-1].copy())
+        y = torch.from_numpy(rows[:, 1:].copy())
+        return x, y
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        worker = get_worker_info()
+        num_workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
+        total = self._total_batches()
+        position = self.start_batch + worker_id  # this worker's first batch
+        epoch, batches = None, None
+        while total is None or position < total:
+            if position // self.batches_per_epoch != epoch:
+                epoch = position // self.batches_per_epoch
+                batches = self.rank_batches(epoch)
+            yield self.gather(batches[position % self.batches_per_epoch])
+            position += num_workers
