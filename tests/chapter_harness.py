@@ -91,7 +91,6 @@ class ChapterFile(IPyNbFile):
         self.compile_cache = tempfile.TemporaryDirectory(prefix="inductor-")
         # The kernel inherits this environment: a cold torch.compile cache, as a fresh render has.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.compile_cache.name
-        os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
         self.kernel = RunningKernel(
             CURRENT_ENV_KERNEL_NAME,
             cwd=str(self.path.parent),
