@@ -38,6 +38,22 @@ class LanguageModelSizes:
 class DataSizes:
     """Chapter 4: token shards, streaming and DataLoader measurements."""
 
+    vocab_size: int = 2048  # byte-level BPE trained on Tiny Shakespeare
+    tokens_per_shard: int = 100_000  # small, so Tiny Shakespeare makes several shards
+    block_size: int = 256
+    batch_size: int = 32
+    num_workers: int = 2  # this machine has 2 cores
+    timed_batches: int = 200  # batches timed per streaming measurement
+    seed_timed_batches: int = 30  # the seed TokenDataset is slow; fewer batches give a stable rate
+    loader_batch_size: int = 32  # MNIST batches in the DataLoader demonstrations
+    slow_item_s: float = 0.001  # per-image delay of the starved-loader demonstration
+    starved_batches: int = 16
+    starved_workers: int = 4
+    mnist_batch_size: int = 256
+    chat_records: int = 200  # local chat records built from Tiny Shakespeare
+    chat_batch_size: int = 8
+    chat_block_size: int = 128
+
 
 @dataclass(frozen=True)
 class CheckpointSizes:
@@ -100,7 +116,7 @@ def make_profile(name: str) -> Profile:
             device=device,
             autocast_dtype=torch.bfloat16,
             lm=LanguageModelSizes(),
-            data=DataSizes(),
+            data=DataSizes(vocab_size=8192, block_size=1024, batch_size=64, num_workers=4, timed_batches=1000, seed_timed_batches=100, starved_workers=8),
             checkpoint=CheckpointSizes(),
         )
     raise ProfileError(f"unknown profile {name!r}; expected one of {PROFILE_NAMES}")
