@@ -1,0 +1,113 @@
+"""Turn chat records into fine-tuning examples: a chat template, prompt masking, padding or packing.
+
+A chat record is ``{"messages": [{"role": "user", "content": ...},
+{"role": "assistant", "content": ...}, ...]}``, the layout of
+``HuggingFaceH4/ultrachat_200k``. Fine-tuning learns only the assistant's
+words: every token of the template and of the user's turns gets the label
+``IGNORE_INDEX`` (-100), which ``torch.nn.functional.cross_entropy`` skips.
+
+Two ways to batch examples of different lengths:
+
+- ``PadCollate`` pads each batch to its longest example and returns an
+  ``attention_mask`` (1 = real token, 0 = padding); padded labels are -100.
+- ``pack_examples`` concatenates examples and cuts fixed blocks: no padding
+  is wasted, but a block can hold the end of one conversation and the start
+  of the next, so attention crosses between them unless the model masks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+IGNORE_INDEX = -100  # cross_entropy's default ignore_index
+ROLES = ("user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The strings around each turn. Each role opens with its marker; the assistant's turn ends with ``end``."""
+
+    user: str = "<|user|>\n"
+    assistant: str = "<|assistant|>\n"
+    end: str = "<|endoftext|>\n"
+
+
+def render_chat(messages: Sequence[dict], template: ChatTemplate = ChatTemplate()) -> str:
+    """The whole conversation as one string, as the model reads it."""
+    parts = []
+    for turn in messages:
+        if turn["role"] == "user":
+            parts.append(template.user + turn["content"] + "\n")
+        else:
+            parts.append(template.assistant + turn["content"] + template.end)
+    return "".join(parts)
+
+
+def chat_example(
+    messages: Sequence[dict], encode: Callable[[str], list[int]], template: ChatTemplate = ChatTemplate()
+) -> dict[str, list[int]]:
+    """``input_ids`` of the templated conversation and ``labels`` that are -100 except on assistant answers.
+
+    Each piece is encoded on its own and the ids concatenated, so the boundary
+    between prompt and answer is exact (encoding the joined string could merge
+    tokens across it). The assistant's answer and its end marker are learned;
+    the role marker before it is not, since the template supplies it.
+    """
+    input_ids: list[int] = []
+    labels: list[int] = []
+    for number, turn in enumerate(messages):
+        role = turn.get("role")
+        if role not in ROLES:
+            raise ValueError(f"message {number}: role {role!r}, expected one of {ROLES}")
+        if role == "user":
+            ids = encode(template.user + turn["content"] + "\n")
+            input_ids += ids
+            labels += [IGNORE_INDEX] * len(ids)
+        else:
+            marker = encode(template.assistant)
+            answer = encode(turn["content"] + template.end)
+            input_ids += marker + answer
+            labels += [IGNORE_INDEX] * len(marker) + answer
+    return {"input_ids": input_ids, "labels": labels}
+
+
+class PadCollate:
+    """Collate examples into padded tensors with an attention mask (a class, so DataLoader workers can pickle it)."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, examples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        length = max(len(e["input_ids"]) for e in examples)
+        batch = len(examples)
+        input_ids = torch.full((batch, length), self.pad_id, dtype=torch.long)
+        labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((batch, length), dtype=torch.long)
+        for row, example in enumerate(examples):
+            n = len(example["input_ids"])
+            input_ids[row, :n] = torch.as_tensor(example["input_ids"])
+            labels[row, :n] = torch.as_tensor(example["labels"])
+            attention_mask[row, :n] = 1
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+def pack_examples(examples: Sequence[dict], block_size: int) -> dict[str, torch.Tensor]:
+    """Concatenate examples and cut them into ``(n_blocks, block_size)`` tensors; the short tail is dropped.
+
+    Returns ``input_ids``, ``labels`` and ``dropped_tokens`` (how many tokens the
+    tail held, so the loss of data is visible).
+    """
+    ids = torch.as_tensor([t for e in examples for t in e["input_ids"]], dtype=torch.long)
+    labels = torch.as_tensor([t for e in examples for t in e["labels"]], dtype=torch.long)
+    n_blocks = len(ids) // block_size
+    if n_blocks == 0:
+        raise ValueError(f"block_size={block_size}: the examples hold only {len(ids)} tokens, not one block")
+    used = n_blocks * block_size
+    return {
+        "input_ids": ids[:used].view(n_blocks, block_size),
+        "labels": labels[:used].view(n_blocks, block_size),
+        "dropped_tokens": torch.tensor(len(ids) - used),
+    }
