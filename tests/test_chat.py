@@ -1,0 +1,83 @@
+"""Tests for chat examples: prompt masking, padding with an attention mask, packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchbook.chat import IGNORE_INDEX, ChatTemplate, PadCollate, chat_example, pack_examples, render_chat
+
+
+def char_encode(text):
+    """A stand-in tokenizer: one id per character, so positions are easy to reason about."""
+    return [ord(c) for c in text]
+
+
+MESSAGES = [
+    {"role": "user", "content": "Who's there?"},
+    {"role": "assistant", "content": "Nay, answer me."},
+    {"role": "user", "content": "Long live the king!"},
+    {"role": "assistant", "content": "Bernardo?"},
+]
+
+
+def test_input_ids_spell_the_rendered_conversation():
+    example = chat_example(MESSAGES, char_encode)
+    assert "".join(map(chr, example["input_ids"])) == render_chat(MESSAGES)
+
+
+def test_only_assistant_answers_and_their_end_marker_are_learned():
+    template = ChatTemplate()
+    example = chat_example(MESSAGES, char_encode, template)
+    learned = "".join(chr(t) for t in example["labels"] if t != IGNORE_INDEX)
+    expected = "".join(m["content"] + template.end for m in MESSAGES if m["role"] == "assistant")
+    assert learned == expected
+    kept = [i for i, t in zip(example["input_ids"], example["labels"]) if t != IGNORE_INDEX]
+    assert kept == [t for t in example["labels"] if t != IGNORE_INDEX], "labels are not the tokens they sit on"
+
+
+def test_unknown_role_is_refused_with_its_position():
+    with pytest.raises(ValueError, match="message 1: role 'system'"):
+        chat_example([MESSAGES[0], {"role": "system", "content": "x"}], char_encode)
+
+
+def test_padding_masks_attention_and_labels_of_the_pad_positions():
+    examples = [chat_example(MESSAGES[:2], char_encode), chat_example(MESSAGES[2:], char_encode)]
+    batch = PadCollate(pad_id=0)(examples)
+    lengths = [len(e["input_ids"]) for e in examples]
+    assert batch["input_ids"].shape == (2, max(lengths))
+    assert batch["attention_mask"].sum(1).tolist() == lengths
+    for row, example in enumerate(examples):
+        n = lengths[row]
+        assert batch["input_ids"][row, :n].tolist() == example["input_ids"]
+        assert batch["labels"][row, :n].tolist() == example["labels"]
+        assert (batch["labels"][row, n:] == IGNORE_INDEX).all() and (batch["input_ids"][row, n:] == 0).all()
+
+
+def test_packing_keeps_every_token_in_order_and_reports_the_tail():
+    examples = [chat_example(MESSAGES[:2], char_encode), chat_example(MESSAGES[2:], char_encode)]
+    packed = pack_examples(examples, block_size=16)
+    stream = examples[0]["input_ids"] + examples[1]["input_ids"]
+    blocks = packed["input_ids"]
+    assert blocks.shape[1] == 16
+    assert blocks.flatten().tolist() == stream[: blocks.numel()]
+    assert int(packed["dropped_tokens"]) == len(stream) - blocks.numel() < 16
+    labels = examples[0]["labels"] + examples[1]["labels"]
+    assert packed["labels"].flatten().tolist() == labels[: blocks.numel()]
+
+
+def test_packing_refuses_data_shorter_than_one_block():
+    with pytest.raises(ValueError, match="block_size=1000"):
+        pack_examples([chat_example(MESSAGES[:2], char_encode)], block_size=1000)
+
+
+def test_collate_output_trains_only_on_answers():
+    # cross_entropy with the -100 labels equals the loss averaged over answer tokens alone
+    examples = [chat_example(MESSAGES[:2], char_encode), chat_example(MESSAGES[2:], char_encode)]
+    batch = PadCollate(pad_id=0)(examples)
+    logits = torch.randn(*batch["labels"].shape, 128, generator=torch.Generator().manual_seed(0))
+    labels = batch["labels"]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    keep = labels.flatten() != IGNORE_INDEX
+    by_hand = -logits.flatten(0, 1)[keep].log_softmax(-1).gather(1, labels.flatten()[keep, None]).mean()
+    torch.testing.assert_close(loss, by_hand)  # same float32 ops, default tolerance is ample

@@ -1,0 +1,262 @@
+"""Tests for the token pipeline: shards, their errors, and the streaming dataset."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import torchbook.data as data
+from torchbook.data import (
+    ShardError,
+    StreamConfig,
+    TokenDataset,
+    TokenStream,
+    open_shard,
+    read_header,
+    sidecar_path,
+    write_shard,
+    write_shards,
+)
+
+
+def counting_shards(folder, num_tokens=2_000, tokens_per_shard=700):
+    """Shards holding 0, 1, 2, ...: a block's first token says where it came from."""
+    return write_shards(np.arange(num_tokens), folder, vocab_size=num_tokens, tokenizer="counting",
+                        tokens_per_shard=tokens_per_shard)
+
+
+def read_all(stream, worker=None, monkeypatch=None):
+    """Every batch one (simulated) worker yields, as a list of (x, y)."""
+    if worker is not None:
+        monkeypatch.setattr(data, "get_worker_info", lambda: worker)
+    return list(stream)
+
+
+# -- the seed TokenDataset ------------------------------------------------------
+
+
+def test_seed_dataset_item_is_the_slice_and_its_shift():
+    tokens = list(range(100, 150))
+    dataset = TokenDataset(tokens, block_size=8)
+    x, y = dataset[5]
+    assert x.tolist() == tokens[5:13]
+    assert y.tolist() == tokens[6:14]
+    assert len(dataset) == len(tokens) - 8
+
+
+def test_seed_dataset_refuses_block_longer_than_data():
+    with pytest.raises(ShardError, match="block_size=10 needs at least 11 tokens"):
+        TokenDataset(list(range(10)), block_size=10)
+
+
+# -- shards -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab_size, dtype", [(256, np.uint16), (65_536, np.uint16), (65_537, np.uint32)])
+def test_writer_picks_the_smallest_dtype_for_the_vocabulary(tmp_path, vocab_size, dtype):
+    tokens = np.array([0, 1, vocab_size - 1])
+    path = write_shard(tmp_path / "s.bin", tokens, vocab_size=vocab_size, tokenizer="t")
+    assert path.stat().st_size == tokens.size * np.dtype(dtype).itemsize
+    assert read_header(path).dtype == np.dtype(dtype).name
+
+
+def test_shard_reads_back_the_ids_written(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 50_000, 1_234)
+    path = write_shard(tmp_path / "s.bin", tokens, vocab_size=50_000, tokenizer="t")
+    mapped = open_shard(path, check_ids=True)
+    assert isinstance(mapped, np.memmap)
+    np.testing.assert_array_equal(mapped, tokens)
+    header = json.loads(sidecar_path(path).read_text())
+    assert (header["num_tokens"], header["vocab_size"], header["tokenizer"]) == (1_234, 50_000, "t")
+
+
+def test_write_shards_splits_without_losing_a_token(tmp_path):
+    paths = counting_shards(tmp_path, num_tokens=2_000, tokens_per_shard=700)
+    assert [p.name for p in paths] == ["shard_000.bin", "shard_001.bin", "shard_002.bin"]
+    np.testing.assert_array_equal(np.concatenate([open_shard(p) for p in paths]), np.arange(2_000))
+
+
+def test_missing_shard_is_an_error_naming_it(tmp_path):
+    with pytest.raises(ShardError, match=r"nope\.bin: shard file is missing"):
+        read_header(tmp_path / "nope.bin")
+
+
+def test_missing_sidecar_is_an_error_naming_it(tmp_path):
+    path = write_shard(tmp_path / "s.bin", [1, 2, 3], vocab_size=10, tokenizer="t")
+    sidecar_path(path).unlink()
+    with pytest.raises(ShardError, match=r"s\.json: sidecar is missing"):
+        open_shard(path)
+
+
+def test_truncated_shard_disagrees_with_its_header(tmp_path):
+    path = write_shard(tmp_path / "s.bin", np.arange(100), vocab_size=100, tokenizer="t")
+    with open(path, "r+b") as handle:
+        handle.truncate(150)
+    with pytest.raises(ShardError, match=r"s\.bin: header says 100 uint16 tokens \(200 bytes\) but the file has 150"):
+        open_shard(path)
+
+
+def test_header_with_the_wrong_dtype_is_caught_by_the_file_size(tmp_path):
+    path = write_shard(tmp_path / "s.bin", np.arange(100), vocab_size=100, tokenizer="t")
+    np.arange(100, dtype=np.uint32).tofile(path)  # the same ids rewritten four bytes wide
+    with pytest.raises(ShardError, match="exactly 100 uint32 tokens, was it written with another dtype"):
+        open_shard(path)
+
+
+def test_header_dtype_that_disagrees_with_its_vocabulary_is_refused(tmp_path):
+    path = write_shard(tmp_path / "s.bin", np.arange(100), vocab_size=100, tokenizer="t")
+    meta = sidecar_path(path)
+    header = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**header, "vocab_size": 100_000}))
+    with pytest.raises(ShardError, match=r"s\.json: dtype uint16 disagrees with vocab_size 100,000"):
+        open_shard(path)
+
+
+def test_token_id_beyond_the_vocabulary_is_refused_before_writing(tmp_path):
+    with pytest.raises(ShardError, match=r"s\.bin: token id 10 at position 2 is outside the vocabulary \[0, 10\)"):
+        write_shard(tmp_path / "s.bin", [3, 4, 10, 5], vocab_size=10, tokenizer="t")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_token_id_beyond_the_vocabulary_is_found_when_checking_on_read(tmp_path):
+    path = write_shard(tmp_path / "s.bin", [3, 4, 5, 6], vocab_size=10, tokenizer="t")
+    np.array([3, 4, 12, 6], dtype=np.uint16).tofile(path)  # corrupted after writing
+    open_shard(path)  # only sizes are checked by default
+    with pytest.raises(ShardError, match=r"s\.bin: token id 12 \(first bad one at position 2\)"):
+        open_shard(path, check_ids=True)
+
+
+def test_block_longer_than_every_shard_is_an_error_naming_them(tmp_path):
+    paths = counting_shards(tmp_path, num_tokens=200, tokens_per_shard=100)
+    with pytest.raises(ShardError, match=r"shard_000\.bin.*block_size=100 needs at least 101 tokens.*has 100"):
+        TokenStream(paths, StreamConfig(block_size=100, batch_size=1))
+
+
+# -- the stream -----------------------------------------------------------------
+
+
+def test_y_is_x_shifted_by_one_and_both_are_slices_of_the_shards(tmp_path):
+    paths = counting_shards(tmp_path)
+    stream = TokenStream(paths, StreamConfig(block_size=16, batch_size=4, seed=3))
+    for x, y in stream:
+        assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (4, 16)
+        # the counting data makes the expected block arithmetic: token i is the number i
+        expected = x[:, :1] + torch.arange(16)
+        assert torch.equal(x, expected)
+        assert torch.equal(y, expected + 1)
+
+
+def test_no_block_crosses_a_shard_boundary(tmp_path):
+    paths = counting_shards(tmp_path, num_tokens=2_000, tokens_per_shard=700)
+    stream = TokenStream(paths, StreamConfig(block_size=16, batch_size=1, shuffle=False))
+    starts = torch.cat([x[:, 0] for x, _ in stream])
+    shard_of_first, shard_of_last = starts // 700, (starts + 16) // 700
+    assert torch.equal(shard_of_first, shard_of_last)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("num_workers", [1, 2, 3])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_workers_and_ranks_read_every_block_once_per_epoch(tmp_path, monkeypatch, world_size, num_workers, shuffle):
+    paths = counting_shards(tmp_path, num_tokens=2_000, tokens_per_shard=700)
+    block, batch = 16, 5
+    seen, per_rank, dropped = [], [], None
+    for rank in range(world_size):
+        config = StreamConfig(block_size=block, batch_size=batch, shuffle=shuffle, seed=7,
+                              rank=rank, world_size=world_size)
+        rank_batches = 0
+        for worker in range(num_workers):
+            stream = TokenStream(paths, config)
+            info = SimpleNamespace(num_workers=num_workers, id=worker)
+            batches = read_all(stream, info, monkeypatch)
+            rank_batches += len(batches)
+            seen += [int(start) for x, _ in batches for start in x[:, 0]]
+        per_rank.append(rank_batches)
+        dropped = stream.dropped_blocks_per_epoch
+    # every block start, computed independently from the shard lengths
+    all_starts = {s + 700 * k for k in range(3) for s in range(0, min(700, 2_000 - 700 * k) - block, block)}
+    assert len(seen) == len(set(seen)), "a block was read twice"
+    assert set(seen) <= all_starts
+    assert len(all_starts) - len(seen) == dropped, "blocks left out differ from the reported count"
+    assert dropped < world_size * batch, "more was dropped than needed to equalize ranks"
+    assert len(set(per_rank)) == 1, f"ranks got different numbers of batches: {per_rank}"
+
+
+def test_dataloader_workers_deliver_the_single_process_order(tmp_path):
+    paths = counting_shards(tmp_path)
+    stream = TokenStream(paths, StreamConfig(block_size=16, batch_size=4, seed=1, epochs=2))
+    expected = [x for x, _ in stream]
+    loader = DataLoader(stream, batch_size=None, num_workers=2)
+    got = [x for x, _ in loader]
+    assert len(got) == len(expected) == len(loader)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_same_seed_gives_the_same_order_and_another_seed_or_epoch_does_not(tmp_path):
+    paths = counting_shards(tmp_path)
+
+    def starts(seed, epochs=1):
+        stream = TokenStream(paths, StreamConfig(block_size=16, batch_size=4, seed=seed, epochs=epochs))
+        return torch.cat([x[:, 0] for x, _ in stream])
+
+    assert torch.equal(starts(5), starts(5))
+    assert not torch.equal(starts(5), starts(6))
+    two_epochs = starts(5, epochs=2)
+    first, second = two_epochs.chunk(2)
+    assert not torch.equal(first, second), "every epoch reused the same order"
+    assert torch.equal(first, starts(5))
+
+
+@pytest.mark.parametrize("cut", [0, 1, 7, 29, 30, 31, 45])
+def test_resume_from_a_saved_position_continues_exactly(tmp_path, cut):
+    paths = counting_shards(tmp_path)
+    config = StreamConfig(block_size=16, batch_size=4, seed=2, epochs=2)
+    full = [x for x, _ in TokenStream(paths, config)]
+    assert len(full) > 45  # the cuts include the epoch boundary (30 batches per epoch)
+    resumed = TokenStream(paths, config)
+    resumed.load_state_dict(TokenStream(paths, config).state_dict(batches_consumed=cut))
+    rest = [x for x, _ in resumed]
+    assert len(rest) == len(full) - cut
+    assert all(torch.equal(a, b) for a, b in zip(rest, full[cut:]))
+
+
+def test_resume_with_dataloader_workers_counts_batches_the_loop_consumed(tmp_path):
+    paths = counting_shards(tmp_path)
+    config = StreamConfig(block_size=16, batch_size=4, seed=2, epochs=2)
+    stream = TokenStream(paths, config)
+    full = [x for x, _ in stream]
+    consumed, state = 0, None
+    for x, _ in DataLoader(stream, batch_size=None, num_workers=2, prefetch_factor=4):
+        consumed += 1
+        if consumed == 11:  # the workers have prefetched well past this batch
+            state = stream.state_dict(batches_consumed=consumed)
+            break
+    resumed = TokenStream(paths, config)
+    resumed.load_state_dict(state)
+    rest = [x for x, _ in DataLoader(resumed, batch_size=None, num_workers=1)]
+    assert all(torch.equal(a, b) for a, b in zip(rest, full[11:])) and len(rest) == len(full) - 11
+
+
+def test_resume_refuses_a_position_saved_with_another_configuration(tmp_path):
+    paths = counting_shards(tmp_path)
+    state = TokenStream(paths, StreamConfig(block_size=16, batch_size=4)).state_dict(batches_consumed=3)
+    other = TokenStream(paths, StreamConfig(block_size=16, batch_size=8))
+    with pytest.raises(ValueError, match="batch_size saved 4 but this stream has 8"):
+        other.load_state_dict(state)
+    assert other.start_batch == 0
+
+
+def test_stream_pickles_paths_not_mapped_data(tmp_path):
+    paths = counting_shards(tmp_path, num_tokens=50_000, tokens_per_shard=50_000)
+    stream = TokenStream(paths, StreamConfig(block_size=16, batch_size=4))
+    next(iter(stream))  # maps the shard in this process
+    clone = pickle.loads(pickle.dumps(stream))
+    # 50,000 uint16 ids would be 100,000 bytes; the block table alone is about 3,100 x 12 bytes
+    assert len(pickle.dumps(stream)) < 100_000
+    assert torch.equal(next(iter(clone))[0], next(iter(stream))[0])

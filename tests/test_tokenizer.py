@@ -1,0 +1,48 @@
+"""Tests for the byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchbook.tokenizer import SPECIAL_TOKENS, TokenizerError, encode_text, load_tokenizer, save_tokenizer, train_bpe
+
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 40
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "input.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def test_encoding_round_trips_any_text_including_unseen_bytes(text_file):
+    tokenizer = train_bpe([text_file], vocab_size=300)
+    for text in (TEXT[:200], "Zoë says ¡hola! 🎭"):
+        assert tokenizer.decode(encode_text(tokenizer, text).tolist()) == text
+
+
+def test_bpe_merges_make_fewer_tokens_than_bytes(text_file):
+    tokenizer = train_bpe([text_file], vocab_size=300)
+    assert len(encode_text(tokenizer, TEXT)) < len(TEXT.encode()) / 2
+
+
+def test_special_tokens_take_the_first_ids(text_file):
+    tokenizer = train_bpe([text_file], vocab_size=300)
+    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+
+
+def test_saved_tokenizer_loads_and_encodes_the_same(text_file, tmp_path):
+    tokenizer = train_bpe([text_file], vocab_size=300)
+    loaded = load_tokenizer(save_tokenizer(tokenizer, tmp_path / "tokenizer.json"))
+    assert loaded.encode(TEXT).ids == tokenizer.encode(TEXT).ids
+
+
+def test_missing_tokenizer_file_is_named(tmp_path):
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json: tokenizer file is missing"):
+        load_tokenizer(tmp_path / "tokenizer.json")
+
+
+def test_vocabulary_smaller_than_the_bytes_is_refused(text_file):
+    with pytest.raises(TokenizerError, match="at least 260"):
+        train_bpe([text_file], vocab_size=100)
