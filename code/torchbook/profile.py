@@ -48,7 +48,7 @@ class DataSizes:
     loader_batch_size: int = 32  # MNIST batches in the DataLoader demonstrations
     slow_item_s: float = 0.001  # per-image delay of the starved-loader demonstration
     starved_batches: int = 16
-    starved_workers: int = 4
+    starved_workers: int = 2  # more than the cores makes DataLoader warn
     mnist_batch_size: int = 256
     chat_records: int = 200  # local chat records built from Tiny Shakespeare
     chat_batch_size: int = 8
@@ -116,7 +116,7 @@ def make_profile(name: str) -> Profile:
             device=device,
             autocast_dtype=torch.bfloat16,
             lm=LanguageModelSizes(),
-            data=DataSizes(vocab_size=8192, block_size=1024, batch_size=64, num_workers=4, timed_batches=1000, seed_timed_batches=100, starved_workers=8),
+            data=DataSizes(vocab_size=8192, block_size=1024, batch_size=64, num_workers=4, timed_batches=1000, seed_timed_batches=100, starved_workers=4),
             checkpoint=CheckpointSizes(),
         )
     raise ProfileError(f"unknown profile {name!r}; expected one of {PROFILE_NAMES}")
