@@ -379,14 +379,17 @@ class TokenStream(IterableDataset):
         if self._tokens is None:
             self._tokens = [open_shard(p) for p in self.paths]
         shard_of = self.block_shard[block_ids]
-        starts = self.block_start[block_ids]
-        rows = np.empty((len(block_ids), self.config.block_size + 1), dtype=np.int64)
-        for shard in np.unique(shard_of):
-            pick = shard_of == shard
-            rows[pick] = self._tokens[shard][starts[pick, None] + self._offsets]
-        x = torch.from_numpy(rows[:, :-1].copy())
-        y = torch.from_numpy(rows[:, 1:].copy())
-        return x, y
+        index = self.block_start[block_ids, None] + self._offsets  # (batch, block_size + 1)
+        first = shard_of[0]
+        if (shard_of == first).all():
+            rows = self._tokens[first][index]  # the common case: one gather
+        else:
+            rows = np.empty(index.shape, dtype=np.int64)
+            for shard in np.unique(shard_of):
+                pick = shard_of == shard
+                rows[pick] = self._tokens[shard][index[pick]]
+        # astype copies, so x and y come out contiguous (y.view(-1) works) and writable.
+        return torch.from_numpy(rows[:, :-1].astype(np.int64)), torch.from_numpy(rows[:, 1:].astype(np.int64))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         worker = get_worker_info()

@@ -1,0 +1,141 @@
+"""Tokens per second: the streaming TokenStream against the seed's TokenDataset and nanoGPT's get_batch.
+
+All three read the same uint16 shard in seeded-random order and produce int64
+``(x, y)`` batches of 32 x 256 tokens. The machine's memory-copy bandwidth,
+measured in the same run with ``np.copyto`` into a pre-touched buffer, gives
+the ceiling: an int64 batch writes 16 bytes per token (8 for x, 8 for y), so
+no loader can produce more than bandwidth / 16 tokens per second.
+
+Run: ``.venv/bin/python bench/token_stream.py`` (``--help`` for sizes).
+The last line printed is ``speedup over seed TokenDataset: <x>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from torchbook.cache import cache_dir
+from torchbook.data import StreamConfig, TokenDataset, TokenStream, open_shard, write_shard
+
+OUTPUT_BYTES_PER_TOKEN = 16  # int64 x and int64 y
+
+
+def make_shard(folder: Path, num_tokens: int, vocab_size: int, seed: int) -> Path:
+    """A shard of random token ids (reused when it already exists with the same size)."""
+    path = folder / f"bench_{num_tokens}.bin"
+    try:
+        if len(open_shard(path)) == num_tokens:
+            return path
+    except Exception:
+        pass
+    ids = np.random.default_rng(seed).integers(0, vocab_size, num_tokens, dtype=np.int64)
+    return write_shard(path, ids, vocab_size=vocab_size, tokenizer=f"random ids, seed {seed}")
+
+
+def rate(batches, count: int) -> float:
+    """Tokens per second of ``x`` over ``count`` batches of an iterator (after one warm-up batch)."""
+    iterator = iter(batches)
+    next(iterator)
+    tokens = 0
+    start = time.perf_counter()
+    for _ in range(count):
+        x, y = next(iterator)
+        tokens += x.numel()
+    return tokens / (time.perf_counter() - start)
+
+
+def seed_batches(path: Path, block: int, batch: int, seed: int):
+    """The seed lesson: a Python list, a map-style dataset, a shuffling DataLoader."""
+    tokens = open_shard(path).tolist()
+    dataset = TokenDataset(tokens, block)
+    return DataLoader(dataset, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+
+def get_batch_batches(path: Path, block: int, batch: int, seed: int):
+    """nanoGPT-style get_batch: random offsets, one slice per row, stacked; the memmap reopened per batch as nanoGPT does."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        data = np.memmap(path, dtype=np.uint16, mode="r")
+        starts = torch.randint(len(data) - block, (batch,), generator=generator)
+        x = torch.stack([torch.from_numpy(data[i : i + block].astype(np.int64)) for i in starts])
+        y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block].astype(np.int64)) for i in starts])
+        yield x, y
+
+
+def stream_batches(path: Path, block: int, batch: int, seed: int):
+    """TokenStream through a DataLoader, as the training loop uses it (batch_size=None, no workers)."""
+    stream = TokenStream([path], StreamConfig(block_size=block, batch_size=batch, shuffle=True, seed=seed, epochs=None))
+    return DataLoader(stream, batch_size=None)
+
+
+def copy_bandwidth(num_bytes: int, repeats: int) -> float:
+    """Bytes per second of ``np.copyto`` between two buffers of ``num_bytes``, the destination pre-touched."""
+    source = np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8)
+    destination = np.ones_like(source)  # every page touched, so no page faults are timed
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(destination, source)
+        times.append(time.perf_counter() - start)
+    return num_bytes / min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=16_000_000, help="tokens in the shard (uint16)")
+    parser.add_argument("--vocab-size", type=int, default=50_257)
+    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--stream-batches", type=int, default=3_000)
+    parser.add_argument("--get-batch-batches", type=int, default=600)
+    parser.add_argument("--seed-batches", type=int, default=150)
+    parser.add_argument("--rounds", type=int, default=3, help="each method is timed this many times; the median is kept")
+    parser.add_argument("--seed", type=int, default=1337)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # loaders run on one core; the others train
+
+    path = make_shard(cache_dir() / "bench", args.tokens, args.vocab_size, args.seed)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}")
+    print(f"shard: {path} ({args.tokens:,} uint16 tokens, {path.stat().st_size / 1e6:.0f} MB)")
+    print(f"batches of {args.batch_size} x {args.block_size} int64 tokens, seeded-random order, "
+          f"median of {args.rounds} rounds")
+
+    block, batch, seed = args.block_size, args.batch_size, args.seed
+    methods = {
+        "seed TokenDataset": (lambda: seed_batches(path, block, batch, seed), args.seed_batches),
+        "nanoGPT get_batch": (lambda: get_batch_batches(path, block, batch, seed), args.get_batch_batches),
+        "TokenStream": (lambda: stream_batches(path, block, batch, seed), args.stream_batches),
+        "TokenStream, no DataLoader": (lambda: iter(stream_batches(path, block, batch, seed).dataset), args.stream_batches),
+    }
+    made = {name: make() for name, (make, _) in methods.items()}  # the seed list is built once, untimed
+    rates: dict[str, list[float]] = {name: [] for name in methods}
+    bandwidths = []
+    for _ in range(args.rounds):
+        for name, (_, count) in methods.items():
+            rates[name].append(rate(made[name], count))
+        bandwidths.append(copy_bandwidth(256 << 20, repeats=3))
+
+    bandwidth = statistics.median(bandwidths)
+    ceiling = bandwidth / OUTPUT_BYTES_PER_TOKEN
+    print(f"memory copy (np.copyto, 256 MiB): {bandwidth / 1e9:.1f} GB/s "
+          f"-> ceiling {ceiling / 1e6:.0f} M tokens/s at {OUTPUT_BYTES_PER_TOKEN} bytes per token")
+    for name, values in rates.items():
+        median = statistics.median(values)
+        print(f"{name:>27}: {median / 1e6:8.2f} M tokens/s  ({median / ceiling:6.1%} of the copy ceiling)")
+    seed_rate = statistics.median(rates["seed TokenDataset"])
+    stream_rate = statistics.median(rates["TokenStream"])
+    print(f"speedup over nanoGPT get_batch: {stream_rate / statistics.median(rates['nanoGPT get_batch']):.1f}")
+    print(f"speedup over seed TokenDataset: {stream_rate / seed_rate:.1f}")
+
+
+if __name__ == "__main__":
+    main()
