@@ -57,7 +57,31 @@ class DataSizes:
 
 @dataclass(frozen=True)
 class CheckpointSizes:
-    """Chapter 5: checkpointing and exact resume."""
+    """Chapter 5: checkpointing and exact resume.
+
+    The kill-and-resume run always trains on the CPU with one thread (that is
+    where bit-exact resume is proven); the gpu profile makes it longer and the
+    model used for the loading demonstrations bigger.
+    """
+
+    # The small GPT trained by the resume demonstration (torchbook.resume_demo), byte-level.
+    block_size: int = 32
+    n_layer: int = 2
+    n_head: int = 2
+    d_model: int = 64
+    dropout: float = 0.1  # > 0 so that exact resume needs the RNG state
+    batch_size: int = 8
+    accum_steps: int = 2
+    steps: int = 24  # optimizer steps of the whole run
+    save_every: int = 6  # a checkpoint every this many steps
+    kill_after_checkpoint: int = 2  # the run is SIGKILLed once this checkpoint is durable
+    keep_last: int = 2  # checkpoints kept on disk
+    # The model used to show safetensors, sharding, meta-device loading and mmap.
+    demo_n_layer: int = 4
+    demo_d_model: int = 256
+    demo_vocab_size: int = 4096
+    demo_block_size: int = 256
+    shard_bytes: int = 2_000_000  # largest safetensors shard in the sharding demonstration
 
 
 @dataclass(frozen=True)
@@ -117,7 +141,9 @@ def make_profile(name: str) -> Profile:
             autocast_dtype=torch.bfloat16,
             lm=LanguageModelSizes(),
             data=DataSizes(vocab_size=8192, block_size=1024, batch_size=64, num_workers=4, timed_batches=1000, seed_timed_batches=100, starved_workers=4),
-            checkpoint=CheckpointSizes(),
+            checkpoint=CheckpointSizes(steps=60, save_every=10, kill_after_checkpoint=3, demo_n_layer=12,
+                                       demo_d_model=768, demo_vocab_size=50304, demo_block_size=1024,
+                                       shard_bytes=100_000_000),
         )
     raise ProfileError(f"unknown profile {name!r}; expected one of {PROFILE_NAMES}")
 

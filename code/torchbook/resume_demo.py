@@ -1,0 +1,164 @@
+"""A small training run that checkpoints, can be killed, and resumes exactly: the proof behind Chapter 5.
+
+Run it three ways and compare the final files:
+
+    python -m torchbook.resume_demo --folder run_a --out a.pt                      # uninterrupted
+    python -m torchbook.resume_demo --folder run_b --out b.pt --kill-after-checkpoint 2   # dies (SIGKILL)
+    python -m torchbook.resume_demo --folder run_b --out b.pt --resume              # continues from run_b
+
+``a.pt`` and ``b.pt`` then hold bit-identical weights and the same loss at
+every step. ``--kill-during-save k`` instead dies halfway through writing
+checkpoint ``k``, to show that the previous checkpoint survives.
+
+It ties the book's pieces together: a byte-level ``GPT`` (models), trained by
+``Trainer`` (train) on a ``TokenStream`` over Tiny Shakespeare (data), saved and
+restored with ``save_training_checkpoint`` / ``load_training_checkpoint``
+(checkpoint). Exactness needs deterministic CPU settings: one thread (the order
+of float additions is fixed), ``torch.use_deterministic_algorithms(True)`` and
+seeded generators. Dropout is on, so the RNG state must be restored too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from torchbook.cache import shakespeare_path
+from torchbook.checkpoint import (
+    atomic_write,
+    latest_checkpoint,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
+from torchbook.data import StreamConfig, TokenStream, write_shard
+from torchbook.models import GPT, GPTConfig
+from torchbook.profile import active_profile
+from torchbook.train import TrainConfig, Trainer
+
+BYTE_VOCAB = 256  # tokens are the bytes of the text: no tokenizer needed
+LEARNING_RATE = 1e-3
+WARMUP_STEPS = 4
+
+
+def kill_now() -> None:
+    """End this process the way a crash or an out-of-memory kill does: SIGKILL, no cleanup, no flush."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_halfway_through_saves() -> None:
+    """Make every later ``torch.save`` write half its bytes to the file, then SIGKILL the process.
+
+    This simulates a crash in the middle of writing a checkpoint (power loss,
+    pre-emption). The half that is written is fsync'd, so it really is on disk.
+    """
+    real_save = torch.save
+
+    def save_half_then_die(obj, destination, *args, **kwargs):
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        data = buffer.getvalue()
+        with open(destination, "wb") as handle:
+            handle.write(data[: len(data) // 2])
+            handle.flush()
+            os.fsync(handle.fileno())
+        print(f"killed while writing {destination}", flush=True)
+        kill_now()
+
+    torch.save = save_half_then_die
+
+
+def byte_shard(folder: Path) -> Path:
+    """Tiny Shakespeare as one shard of byte tokens in ``folder`` (written once)."""
+    path = folder / "shakespeare_bytes.bin"
+    if not path.exists():
+        tokens = np.frombuffer(shakespeare_path().read_bytes(), dtype=np.uint8)
+        write_shard(path, tokens, vocab_size=BYTE_VOCAB, tokenizer="utf-8 bytes")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    sizes = active_profile().checkpoint
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", type=Path, required=True, help="checkpoints (and the data shard) go here")
+    parser.add_argument("--out", type=Path, required=True, help="final weights and loss history (torch.save)")
+    parser.add_argument("--steps", type=int, default=sizes.steps)
+    parser.add_argument("--save-every", type=int, default=sizes.save_every)
+    parser.add_argument("--keep-last", type=int, default=sizes.keep_last)
+    parser.add_argument("--seed", type=int, default=active_profile().seed)
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --folder")
+    parser.add_argument("--no-restore-rng", action="store_true", help="resume without the RNG state (breaks exactness)")
+    parser.add_argument("--kill-after-checkpoint", type=int, default=None, metavar="K",
+                        help="SIGKILL this process once checkpoint K (at step K * save_every) is durable")
+    parser.add_argument("--kill-during-save", type=int, default=None, metavar="K",
+                        help="SIGKILL this process halfway through writing checkpoint K")
+    args = parser.parse_args(argv)
+
+    # Deterministic CPU settings: one thread fixes the order of every float sum.
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cpu")
+
+    model_config = GPTConfig(vocab_size=BYTE_VOCAB, block_size=sizes.block_size, n_layer=sizes.n_layer,
+                             n_head=sizes.n_head, d_model=sizes.d_model, dropout=sizes.dropout)
+    train_config = TrainConfig(max_steps=args.steps, lr=LEARNING_RATE, min_lr=LEARNING_RATE / 10,
+                               warmup_steps=min(WARMUP_STEPS, args.steps), accum_steps=sizes.accum_steps,
+                               log_every=1)  # one history row per step: the loss of every step is compared
+    stream_config = StreamConfig(block_size=sizes.block_size, batch_size=sizes.batch_size, shuffle=True,
+                                 seed=args.seed, epochs=None)
+    model = GPT(model_config)
+    trainer = Trainer(model, train_config, device)
+    stream = TokenStream([byte_shard(args.folder)], stream_config)
+
+    if args.resume:
+        path = latest_checkpoint(args.folder)
+        if path is None:
+            print(f"{args.folder}: no checkpoint to resume from", file=sys.stderr)
+            return 1
+        resumed = load_training_checkpoint(
+            path, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler, scaler=trainer.scaler,
+            model_config=model_config, train_config=train_config, restore_rng=not args.no_restore_rng)
+        trainer.step = resumed.step
+        trainer.history = list(resumed.history)
+        stream.load_state_dict(resumed.data_state)
+        print(f"resumed from {path.name} at step {resumed.step}", flush=True)
+        for change in resumed.train_config_changes:
+            print(f"training configuration changed: {change}", flush=True)
+
+    batches = iter(stream)
+    while trainer.step < train_config.max_steps:
+        trainer.train_step([next(batches) for _ in range(train_config.accum_steps)])
+        if trainer.step % args.save_every == 0:
+            number = trainer.step // args.save_every
+            if args.kill_during_save == number:
+                die_halfway_through_saves()
+            path = save_training_checkpoint(
+                args.folder, step=trainer.step, model=model, optimizer=trainer.optimizer,
+                scheduler=trainer.scheduler, scaler=trainer.scaler,
+                data_state=stream.state_dict(batches_consumed=trainer.step * train_config.accum_steps),
+                model_config=model_config, train_config=train_config, history=trainer.history,
+                keep_last=args.keep_last)
+            print(f"checkpoint {number} written: {path.name}", flush=True)
+            if args.kill_after_checkpoint == number:
+                print(f"killed after checkpoint {number}", flush=True)
+                kill_now()
+
+    result = {"weights": model.state_dict(), "losses": [row["loss"] for row in trainer.history],
+              "steps": [row["step"] for row in trainer.history]}
+    atomic_write(args.out, lambda temporary: torch.save(result, temporary))
+    print(f"finished {trainer.step} steps, final loss {trainer.history[-1]['loss']:.4f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
