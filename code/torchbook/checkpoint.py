@@ -159,17 +159,19 @@ def read_torch_file(path: str | Path, *, mmap: bool = False) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as error:  # torch raises RuntimeError, UnpicklingError, KeyError... by case
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        text = str(error).strip()
+        # torch's first sentence says what failed; the rest is general advice
+        message = text.splitlines()[0].split(". ")[0] if text else type(error).__name__
         if "central directory" in message or "zip archive" in message:
             raise CheckpointError(
                 f"{path}: truncated or corrupt torch.save archive ({os.path.getsize(path):,} bytes; "
                 f"{message}); was the write interrupted?"
             ) from error
-        if "Weights only load failed" in str(error):
-            detail = next((line.strip() for line in str(error).splitlines()
+        if "Weights only load failed" in text:
+            detail = next((line.strip().split(". ")[0] for line in text.splitlines()
                            if "unsupported" in line.lower() and "global" in line.lower()), message)
             raise CheckpointError(
-                f"{path}: refused by torch.load(weights_only=True): {detail} The file holds "
+                f"{path}: refused by torch.load(weights_only=True): {detail}. The file holds "
                 "objects other than tensors and plain values, and rebuilding them could run code; "
                 "only load it with weights_only=False if you made the file yourself."
             ) from error

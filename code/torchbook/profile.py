@@ -79,6 +79,7 @@ class CheckpointSizes:
     # The model used to show safetensors, sharding, meta-device loading and mmap.
     demo_n_layer: int = 4
     demo_d_model: int = 256
+    demo_n_head: int = 4
     demo_vocab_size: int = 4096
     demo_block_size: int = 256
     shard_bytes: int = 2_000_000  # largest safetensors shard in the sharding demonstration
@@ -142,7 +143,7 @@ def make_profile(name: str) -> Profile:
             lm=LanguageModelSizes(),
             data=DataSizes(vocab_size=8192, block_size=1024, batch_size=64, num_workers=4, timed_batches=1000, seed_timed_batches=100, starved_workers=4),
             checkpoint=CheckpointSizes(steps=60, save_every=10, kill_after_checkpoint=3, demo_n_layer=12,
-                                       demo_d_model=768, demo_vocab_size=50304, demo_block_size=1024,
+                                       demo_d_model=768, demo_n_head=12, demo_vocab_size=50304, demo_block_size=1024,
                                        shard_bytes=100_000_000),
         )
     raise ProfileError(f"unknown profile {name!r}; expected one of {PROFILE_NAMES}")

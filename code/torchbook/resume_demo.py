@@ -40,7 +40,7 @@ from torchbook.checkpoint import (
 )
 from torchbook.data import StreamConfig, TokenStream, write_shard
 from torchbook.models import GPT, GPTConfig
-from torchbook.profile import active_profile
+from torchbook.profile import CheckpointSizes, active_profile
 from torchbook.train import TrainConfig, Trainer
 
 BYTE_VOCAB = 256  # tokens are the bytes of the text: no tokenizer needed
@@ -84,6 +84,18 @@ def byte_shard(folder: Path) -> Path:
     return path
 
 
+def demo_configs(sizes: CheckpointSizes, steps: int, seed: int) -> tuple[GPTConfig, TrainConfig, StreamConfig]:
+    """The model, training and data configurations of the demonstration run."""
+    model_config = GPTConfig(vocab_size=BYTE_VOCAB, block_size=sizes.block_size, n_layer=sizes.n_layer,
+                             n_head=sizes.n_head, d_model=sizes.d_model, dropout=sizes.dropout)
+    train_config = TrainConfig(max_steps=steps, lr=LEARNING_RATE, min_lr=LEARNING_RATE / 10,
+                               warmup_steps=min(WARMUP_STEPS, steps), accum_steps=sizes.accum_steps,
+                               log_every=1)  # one history row per step: the loss of every step is compared
+    stream_config = StreamConfig(block_size=sizes.block_size, batch_size=sizes.batch_size, shuffle=True,
+                                 seed=seed, epochs=None)
+    return model_config, train_config, stream_config
+
+
 def main(argv: list[str] | None = None) -> int:
     sizes = active_profile().checkpoint
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -109,13 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     device = torch.device("cpu")
 
-    model_config = GPTConfig(vocab_size=BYTE_VOCAB, block_size=sizes.block_size, n_layer=sizes.n_layer,
-                             n_head=sizes.n_head, d_model=sizes.d_model, dropout=sizes.dropout)
-    train_config = TrainConfig(max_steps=args.steps, lr=LEARNING_RATE, min_lr=LEARNING_RATE / 10,
-                               warmup_steps=min(WARMUP_STEPS, args.steps), accum_steps=sizes.accum_steps,
-                               log_every=1)  # one history row per step: the loss of every step is compared
-    stream_config = StreamConfig(block_size=sizes.block_size, batch_size=sizes.batch_size, shuffle=True,
-                                 seed=args.seed, epochs=None)
+    model_config, train_config, stream_config = demo_configs(sizes, args.steps, args.seed)
     model = GPT(model_config)
     trainer = Trainer(model, train_config, device)
     stream = TokenStream([byte_shard(args.folder)], stream_config)
