@@ -430,3 +430,34 @@ def test_temporary_name_is_in_the_same_folder():
     assert ckpt.temporary_path(path).parent == path.parent
     assert not ckpt.CHECKPOINT_PATTERN.match(ckpt.temporary_path(path).name)
     assert str(os.getpid()) in ckpt.temporary_path(path).name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_rng_states_on_a_machine_without_cuda_are_refused_before_loading(tmp_path):
+    model, optimizer, _, _ = make_training_objects(0)
+    path = ckpt.save_training_checkpoint(tmp_path, step=2, model=model, optimizer=optimizer)
+    state = torch.load(path, weights_only=True)
+    state["rng"]["torch_cuda"] = [torch.zeros(16, dtype=torch.uint8)]  # as if saved on one GPU
+    torch.save(state, path)
+    target, target_optimizer, _, _ = make_training_objects(1)
+    before = snapshot(target)
+    with pytest.raises(CheckpointError, match="rng: states for 1 CUDA devices in the file, 0 here"):
+        ckpt.load_training_checkpoint(path, model=target, optimizer=target_optimizer)
+    assert_same_tensors(snapshot(target), before)
+
+
+def test_save_refuses_container_subclasses_that_weights_only_refuses(tmp_path):
+    from collections import defaultdict
+
+    model, optimizer, _, _ = make_training_objects(0)
+    with pytest.raises(CheckpointError, match=r"state\['history'\]: collections.defaultdict"):
+        ckpt.save_training_checkpoint(tmp_path, step=1, model=model, optimizer=optimizer,
+                                      history=defaultdict(list))
+
+
+def test_a_long_list_of_missing_keys_is_cut_short_with_its_count(tmp_path):
+    ckpt.save_weights(fresh_gpt(0), tmp_path / "gpt.pt")
+    much_deeper = fresh_gpt(1, GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=2, d_model=32))
+    missing = 6 * 12  # six extra blocks of 12 tensors each
+    with pytest.raises(CheckpointError, match=rf"{missing} missing keys .* and {missing - ckpt.LISTED_KEYS} more"):
+        ckpt.load_weights(much_deeper, tmp_path / "gpt.pt")

@@ -34,6 +34,7 @@ import json
 import os
 import random
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,7 @@ WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 ALIASES_KEY = "torchbook.aliases"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SNIFF_BYTES = 16
+LISTED_KEYS = 12  # an error lists at most this many missing or unexpected keys
 
 
 class CheckpointError(RuntimeError):
@@ -211,6 +213,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
+def _first_few(keys: list[str]) -> str:
+    """The keys, or the first LISTED_KEYS of them and how many more (an LLM has hundreds)."""
+    shown = ", ".join(keys[:LISTED_KEYS])
+    return shown if len(keys) <= LISTED_KEYS else f"{shown} and {len(keys) - LISTED_KEYS} more"
+
+
 def state_dict_problems(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
     """Every way ``state_dict`` does not fit ``model``: missing and unexpected keys, shapes, dtypes.
 
@@ -223,9 +231,9 @@ def state_dict_problems(model: nn.Module, state_dict: Mapping[str, Any]) -> list
     missing = [key for key in expected if key not in state_dict]
     unexpected = [key for key in state_dict if key not in expected]
     if missing:
-        problems.append(f"missing keys (in the model, not in the file): {missing}")
+        problems.append(f"{len(missing)} missing keys (in the model, not in the file): {_first_few(missing)}")
     if unexpected:
-        problems.append(f"unexpected keys (in the file, not in the model): {unexpected}")
+        problems.append(f"{len(unexpected)} unexpected keys (in the file, not in the model): {_first_few(unexpected)}")
     for key, target in expected.items():
         source = state_dict.get(key)
         if not isinstance(source, torch.Tensor):
@@ -282,19 +290,22 @@ def load_weights(model: nn.Module, path: str | Path, *, mmap: bool = False) -> n
 
 
 _PLAIN_TYPES = (bool, int, float, str, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
+# Exact container types: a subclass (defaultdict, a namedtuple) pickles under its own class name and is refused.
+_PLAIN_MAPPINGS = (dict, OrderedDict)
+_PLAIN_SEQUENCES = (list, tuple)
 
 
 def plain_value_problems(value: Any, where: str = "state") -> list[str]:
     """Every value inside ``value`` that ``torch.load(weights_only=True)`` would refuse, by its key path."""
     if isinstance(value, _PLAIN_TYPES):
         return []
-    if isinstance(value, Mapping):
+    if type(value) in _PLAIN_MAPPINGS:
         problems = [f"{where}: key {key!r} is a {type(key).__name__}"
                     for key in value if not isinstance(key, (str, int))]
         for key, item in value.items():
             problems += plain_value_problems(item, f"{where}[{key!r}]")
         return problems
-    if isinstance(value, (list, tuple)):
+    if type(value) in _PLAIN_SEQUENCES:
         problems = []
         for index, item in enumerate(value):
             problems += plain_value_problems(item, f"{where}[{index}]")
@@ -543,6 +554,11 @@ def load_training_checkpoint(
             f"scaler: {'enabled' if state['scaler'] else 'disabled'} in the file, "
             f"{'enabled' if scaler.is_enabled() else 'disabled'} now"
         )
+    cuda_states = len(state["rng"].get("torch_cuda") or [])
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if restore_rng and cuda_states and cuda_states != cuda_devices:
+        problems.append(f"rng: states for {cuda_states} CUDA devices in the file, {cuda_devices} here "
+                        "(pass restore_rng=False to continue, not exactly)")
     if problems:
         raise CheckpointError(
             f"{path}: does not fit the objects it should restore; nothing was loaded:\n  " + "\n  ".join(problems)
