@@ -31,7 +31,27 @@ class ProfileError(RuntimeError):
 
 @dataclass(frozen=True)
 class LanguageModelSizes:
-    """Chapter 3: the small causal language model trained on Tiny Shakespeare."""
+    """Chapter 3: the small causal language model trained on Tiny Shakespeare.
+
+    The cpu sizes train in well under a minute on 2 cores and still take the
+    validation loss far below the unigram baseline; the gpu sizes are the usual
+    "baby GPT" for character-level Shakespeare.
+    """
+
+    block_size: int = 64  # characters of context
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 96
+    dropout: float = 0.0
+    batch_size: int = 32  # blocks per optimizer step (accum_steps = 1)
+    max_steps: int = 1000
+    lr: float = 3e-3  # a small model tolerates a large peak learning rate
+    min_lr: float = 3e-4
+    warmup_steps: int = 50
+    eval_every: int = 100
+    eval_batches: int = 16  # validation batches per evaluation
+    log_every: int = 20
+    sample_tokens: int = 300  # characters generated after training
 
 
 @dataclass(frozen=True)
@@ -140,7 +160,10 @@ def make_profile(name: str) -> Profile:
             name="gpu",
             device=device,
             autocast_dtype=torch.bfloat16,
-            lm=LanguageModelSizes(),
+            lm=LanguageModelSizes(block_size=256, n_layer=6, n_head=6, d_model=384, dropout=0.2,
+                                  batch_size=64, max_steps=5000, lr=1e-3, min_lr=1e-4,
+                                  warmup_steps=100, eval_every=250, eval_batches=50, log_every=50,
+                                  sample_tokens=500),
             data=DataSizes(vocab_size=8192, block_size=1024, batch_size=64, num_workers=4, timed_batches=1000, seed_timed_batches=100, starved_workers=4),
             checkpoint=CheckpointSizes(steps=60, save_every=10, kill_after_checkpoint=3, demo_n_layer=12,
                                        demo_d_model=768, demo_n_head=12, demo_vocab_size=50304, demo_block_size=1024,

@@ -1,0 +1,68 @@
+"""Loss curves from training histories: one line per run and per key, on labelled axes.
+
+A history is what ``Trainer.fit`` returns: a list of dicts, one per logged step,
+each with ``step`` and some of ``loss``, ``val_loss``, ``lr``, ``grad_norm``.
+This module needs only matplotlib, so it plots histories from anywhere
+(a live run, or results saved as JSON on another machine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+# How each key is drawn: training dense and thin, validation sparse with markers.
+LINE_STYLES = {
+    "loss": {"linewidth": 1.2},
+    "val_loss": {"linewidth": 1.8, "marker": "o", "markersize": 4},
+}
+KEY_LABELS = {"loss": "train", "val_loss": "validation"}
+
+
+def plot_history(
+    histories: Mapping[str, Sequence[Mapping[str, float]]],
+    keys: Sequence[str] = ("loss", "val_loss"),
+    ax: Axes | None = None,
+    reference_lines: Mapping[str, float] | None = None,
+    ylabel: str = "loss (nats per token)",
+    title: str | None = None,
+) -> Figure:
+    """Plot ``keys`` against ``step`` for every run in ``histories``; returns the figure.
+
+    ``histories`` maps a run's name (the legend's label) to its history; rows
+    without a key are skipped, so sparse validation losses plot as their own
+    line. ``reference_lines`` maps a label to a constant drawn as a dashed
+    horizontal line (a baseline to beat). Pass ``ax`` to draw into an existing
+    figure.
+    """
+    if ax is None:
+        figure, ax = plt.subplots(figsize=(7, 4), layout="constrained")
+    else:
+        figure = ax.figure
+    # One run: one colour per key. Several runs: one colour per run, keys told apart by style.
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for run_index, (run, history) in enumerate(histories.items()):
+        for key_index, key in enumerate(keys):
+            rows = [row for row in history if key in row]
+            if not rows:
+                continue
+            name = KEY_LABELS.get(key, key)
+            label = name if len(histories) == 1 else f"{run}: {name}"
+            colour = colours[(key_index if len(histories) == 1 else run_index) % len(colours)]
+            ax.plot([row["step"] for row in rows], [row[key] for row in rows], label=label,
+                    color=colour, **LINE_STYLES.get(key, {"linewidth": 1.2}))
+    for label, value in (reference_lines or {}).items():
+        ax.axhline(value, linestyle="--", linewidth=1.0, color="grey")
+        ax.annotate(label, xy=(1.0, value), xycoords=("axes fraction", "data"),
+                    xytext=(-4, 4), textcoords="offset points", ha="right", va="bottom",
+                    color="grey", fontsize="small")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return figure

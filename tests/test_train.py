@@ -1,0 +1,300 @@
+"""Tests of the training loop (code/torchbook/train.py) against independent computations."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchbook.train import (
+    IGNORE_INDEX,
+    NonFiniteLossError,
+    Trainer,
+    TrainConfig,
+    learning_rate,
+)
+
+CPU = torch.device("cpu")
+VOCAB, WIDTH, BLOCK = 11, 16, 6
+
+
+class TinyLM(nn.Module):
+    """(B, T) token ids -> (B, T, V) logits; embedding, LayerNorm, a biased hidden layer, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.hidden = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.norm(self.embed(idx)))))
+
+
+def make_model(seed: int = 0) -> TinyLM:
+    with torch.random.fork_rng():  # keep the test's initialisation out of the global RNG
+        torch.manual_seed(seed)
+        return TinyLM()
+
+
+def token_batch(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (batch, BLOCK), generator=generator)
+    y = torch.randint(0, VOCAB, (batch, BLOCK), generator=generator)
+    return x, y
+
+
+def split(x: torch.Tensor, y: torch.Tensor, sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(zip(x.split(sizes), y.split(sizes)))
+
+
+def big_batch_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The reference: one forward and backward of the mean loss over the whole batch."""
+    model.zero_grad(set_to_none=True)
+    logits = model(x)
+    F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=IGNORE_INDEX).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def config(**overrides) -> TrainConfig:
+    settings = dict(max_steps=20, lr=1e-2, min_lr=1e-3, warmup_steps=2, log_every=1)
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+# Tolerances: micro-batch accumulation sums the same float32 terms in a different order,
+# which moves results by a few float32 ulps (~1e-7 relative); 1e-5 / 1e-7 leaves margin.
+RTOL, ATOL = 1e-5, 1e-7
+
+
+@pytest.mark.parametrize(
+    "sizes, ignore_fraction",
+    [([4, 4, 4, 4], 0.0), ([2, 7, 3], 0.0), ([4, 4, 4, 4], "uneven")],
+    ids=["equal-blocks", "unequal-blocks", "ignored-tokens-uneven"],
+)
+def test_accumulated_gradients_equal_one_big_batch(sizes, ignore_fraction):
+    x, y = token_batch(sum(sizes), seed=1)
+    if ignore_fraction == "uneven":
+        y = y.clone()
+        y[:3] = IGNORE_INDEX  # the first micro-batch is mostly ignored, the others not at all
+        y[5, :4] = IGNORE_INDEX
+    reference = big_batch_gradients(make_model(), x, y)
+
+    model = make_model()
+    trainer = Trainer(model, config(accum_steps=len(sizes)), CPU)
+    trainer.accumulate_gradients(split(x, y, sizes))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, reference[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_naive_division_by_k_is_wrong_when_ignored_tokens_are_uneven():
+    """The check above has teeth: averaging the micro-batch means gives a different gradient."""
+    x, y = token_batch(8, seed=2)
+    y = y.clone()
+    y[:3] = IGNORE_INDEX
+    reference = big_batch_gradients(make_model(), x, y)
+    model = make_model()
+    for xs, ys in split(x, y, [4, 4]):
+        (F.cross_entropy(model(xs).flatten(0, -2), ys.flatten()) / 2).backward()
+    assert not torch.allclose(model.head.weight.grad, reference["head.weight"], rtol=1e-3)
+
+
+def test_accumulated_step_updates_weights_like_one_big_batch():
+    x, y = token_batch(12, seed=3)
+    big, accumulated = make_model(), make_model()
+    big_trainer = Trainer(big, config(accum_steps=1), CPU)
+    accumulated_trainer = Trainer(accumulated, config(accum_steps=3), CPU)
+    for step in range(3):
+        xs, ys = token_batch(12, seed=10 + step)
+        big_trainer.train_step([(xs, ys)])
+        accumulated_trainer.train_step(split(xs, ys, [4, 4, 4]))
+    for (name, p), q in zip(big.named_parameters(), accumulated.parameters()):
+        # AdamW divides by sqrt(v): a 1e-7 relative change in a gradient moves the update by
+        # about as much, so the float32 tolerance above still holds for the weights.
+        torch.testing.assert_close(q, p, rtol=RTOL, atol=1e-6, msg=name)
+
+
+def test_fit_normalises_the_final_partial_group():
+    """7 micro-batches with accum_steps=3: steps of 3, 3 and a final partial group of 1."""
+    micro_batches = [token_batch(2, seed=20 + i) for i in range(7)]
+    reference = make_model()
+    reference_trainer = Trainer(reference, config(accum_steps=1), CPU)
+    for group in ([0, 1, 2], [3, 4, 5], [6]):  # each group as one big batch
+        reference_trainer.train_step([(torch.cat([micro_batches[i][0] for i in group]),
+                                       torch.cat([micro_batches[i][1] for i in group]))])
+
+    model = make_model()
+    trainer = Trainer(model, config(accum_steps=3), CPU)
+    trainer.fit(iter(micro_batches))
+    assert trainer.step == 3, f"expected 3 optimizer steps from 7 micro-batches, got {trainer.step}"
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=RTOL, atol=1e-6, msg=name)
+
+
+def test_clipping_caps_the_norm_and_returns_the_norm_before_clipping():
+    x, y = token_batch(8, seed=4)
+    model = make_model()
+    trainer = Trainer(model, config(max_grad_norm=0.01), CPU)
+    trainer.accumulate_gradients([(x, y)])
+    norm_before = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert norm_before > 0.01, "the test needs a gradient larger than max_grad_norm"
+
+    returned = trainer.clip_gradients()
+
+    norm_after = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    # rtol 1e-5: two float32 reductions in different orders; clipping multiplies by
+    # max_norm / (norm + 1e-6), so the clipped norm sits just under max_norm.
+    torch.testing.assert_close(returned, norm_before, rtol=1e-5, atol=0.0)
+    assert norm_after <= 0.01 * (1 + 1e-5), f"clipped norm {norm_after} exceeds max_grad_norm 0.01"
+    torch.testing.assert_close(norm_after, torch.tensor(0.01), rtol=1e-3, atol=0.0)
+
+
+def test_history_records_the_gradient_norm_before_clipping():
+    x, y = token_batch(8, seed=5)
+    reference = make_model()
+    F.cross_entropy(reference(x).flatten(0, -2), y.flatten()).backward()
+    expected = torch.cat([p.grad.flatten() for p in reference.parameters()]).norm().item()
+
+    trainer = Trainer(make_model(), config(max_grad_norm=0.01), CPU)
+    trainer.train_step([(x, y)])
+    assert trainer.history[-1]["grad_norm"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_gradients_are_none_after_a_step():
+    model = make_model()
+    Trainer(model, config(), CPU).train_step([token_batch(4, seed=6)])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_fp16_with_a_scaler_runs_on_cpu():
+    model = make_model()
+    trainer = Trainer(model, config(precision="fp16", max_steps=5), CPU)
+    history = trainer.fit(iter([token_batch(4, seed=30 + i) for i in range(5)]))
+    assert trainer.scaler.is_enabled()
+    assert trainer.step + trainer.skipped_steps == 5
+    assert all(math.isfinite(row["loss"]) for row in history)
+
+
+def test_fp16_inf_gradient_skips_the_step_and_halves_the_scale():
+    model = make_model()
+    trainer = Trainer(model, config(precision="fp16"), CPU)
+    trainer.train_step([token_batch(4, seed=7)])  # one normal step first
+    assert trainer.skipped_steps == 0, "the first fp16 step overflowed; the test needs a clean step"
+    weights_before = copy.deepcopy(model.state_dict())
+    scale_before = trainer.scaler.get_scale()
+    steps_before = trainer.step
+
+    hook = model.hidden.weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    trainer.train_step([token_batch(4, seed=8)])
+    hook.remove()
+
+    assert trainer.scaler.get_scale() == scale_before / 2, "the scaler should halve its scale"
+    assert trainer.step == steps_before and trainer.skipped_steps == 1
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, weights_before[name]), f"{name} changed in a skipped step"
+
+
+class PoisonedLM(TinyLM):
+    """TinyLM whose logits become NaN from its n-th training forward pass on."""
+
+    def __init__(self, poison_at_call: int) -> None:
+        super().__init__()
+        self.poison_at_call, self.calls = poison_at_call, 0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        logits = super().forward(idx)
+        return logits * float("nan") if self.calls >= self.poison_at_call else logits
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_nan_loss_raises_an_error_naming_the_step(precision):
+    torch.manual_seed(0)
+    model = PoisonedLM(poison_at_call=3)
+    # log_every=4: the loss is read at step 4, yet the error must name step 3.
+    trainer = Trainer(model, config(precision=precision, log_every=4), CPU)
+    with pytest.raises(NonFiniteLossError, match=r"optimizer step 3\b"):
+        trainer.fit(iter([token_batch(4, seed=40 + i) for i in range(10)]))
+
+
+def run_short_training(seed: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    batches = [(torch.randint(0, VOCAB, (4, BLOCK), generator=generator),
+                torch.randint(0, VOCAB, (4, BLOCK), generator=generator)) for _ in range(12)]
+    trainer = Trainer(make_model(seed), config(max_steps=6, accum_steps=2, eval_every=3), CPU)
+    return trainer.fit(iter(batches), val_batches=lambda: batches[:2])
+
+
+def test_a_seeded_run_reproduces_its_loss_history_exactly():
+    first, second = run_short_training(seed=9), run_short_training(seed=9)
+    keys = ("step", "loss", "lr", "grad_norm", "val_loss")
+    assert [[row.get(k) for k in keys] for row in first] == [[row.get(k) for k in keys] for row in second]
+    assert len(first) == 6 and "val_loss" in first[2] and "val_loss" in first[5]
+
+
+def test_weight_decay_groups_split_by_dimension():
+    model = make_model()
+    decay, no_decay = Trainer(model, config(), CPU).optimizer.param_groups
+    assert decay["weight_decay"] > 0 and no_decay["weight_decay"] == 0
+    ids = lambda group: [id(p) for p in group["params"]]  # noqa: E731
+    assert set(ids(decay)) == {id(p) for p in model.parameters() if p.dim() >= 2}
+    assert set(ids(no_decay)) == {id(p) for p in model.parameters() if p.dim() < 2}
+    everything = ids(decay) + ids(no_decay)
+    assert len(everything) == len(set(everything)) == len(list(model.parameters()))
+
+
+def test_tied_weight_appears_once():
+    model = make_model()
+    model.head.weight = model.embed.weight  # shapes agree: (VOCAB, WIDTH)
+    decay, no_decay = Trainer(model, config(), CPU).optimizer.param_groups
+    everything = [id(p) for p in decay["params"] + no_decay["params"]]
+    assert everything.count(id(model.embed.weight)) == 1
+
+
+def test_learning_rate_schedule_matches_warmup_then_cosine():
+    settings = config(max_steps=50, warmup_steps=10, lr=1e-2, min_lr=1e-3)
+    trainer = Trainer(make_model(), settings, CPU)
+    used = []
+    for step in range(settings.max_steps):
+        used.append(trainer.optimizer.param_groups[0]["lr"])
+        trainer.train_step([token_batch(2, seed=step)])
+    # Independent statement of the schedule's landmarks.
+    assert used[0] == pytest.approx(1e-2 / 10)  # first warmup step
+    assert used[9] == pytest.approx(1e-2)  # end of warmup: the peak
+    assert used[10] == pytest.approx(1e-2)  # start of the cosine: still the peak
+    halfway = 10 + (50 - 10) // 2
+    assert used[halfway] == pytest.approx((1e-2 + 1e-3) / 2)  # cos(pi/2) = 0
+    assert used[49] == pytest.approx(1e-3 + 0.5 * (1 + math.cos(math.pi * 39 / 40)) * 9e-3)
+    assert learning_rate(50, settings) == pytest.approx(1e-3)  # at max_steps: min_lr
+    assert all(a < b for a, b in zip(used[:10], used[1:10])), "warmup must increase"
+    assert all(a > b for a, b in zip(used[10:], used[11:])), "cosine must decrease"
+    assert trainer.history[-1]["lr"] == pytest.approx(used[-1])
+
+
+def test_model_on_another_device_is_refused_before_anything_is_built():
+    model = make_model()
+    with pytest.raises(ValueError, match=r"model tensor 'embed.weight' is on cpu, expected meta"):
+        Trainer(model, config(), torch.device("meta"))
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="precision"):
+        TrainConfig(precision="fp8")
+
+
+def test_evaluate_is_the_mean_over_target_tokens_and_restores_train_mode():
+    x, y = token_batch(6, seed=11)
+    y = y.clone()
+    y[0] = IGNORE_INDEX
+    model = make_model()
+    expected = F.cross_entropy(model(x).flatten(0, -2), y.flatten()).item()
+    trainer = Trainer(model, config(), CPU)
+    model.train()
+    got = trainer.evaluate(split(x, y, [1, 2, 3]))
+    assert got == pytest.approx(expected, rel=1e-6)  # float32 summation order
+    assert model.training
