@@ -377,7 +377,8 @@ class TokenStream(IterableDataset):
     def gather(self, block_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Read the blocks ``block_ids`` as int64 ``(x, y)``, one fancy-index gather per shard involved."""
         if self._tokens is None:
-            self._tokens = [open_shard(p) for p in self.paths]
+            # plain ndarray views of the maps: indexing skips np.memmap's per-result bookkeeping
+            self._tokens = [np.asarray(open_shard(p)) for p in self.paths]
         shard_of = self.block_shard[block_ids]
         index = self.block_start[block_ids, None] + self._offsets  # (batch, block_size + 1)
         first = shard_of[0]
