@@ -21,7 +21,8 @@ A *block* is ``block_size + 1`` consecutive tokens starting at a multiple of
 ``block_size`` inside one shard (``x`` is the first ``block_size`` of them,
 ``y`` the last ``block_size``). Each epoch orders all blocks (a permutation
 seeded by ``(seed, epoch)``, identical on every process, or the file order),
-cuts the order into global batches of ``batch_size`` blocks, deals global
+cuts the order into global batches of ``batch_size`` blocks (read in file
+order within a batch, which leaves the batch's gradient unchanged), deals global
 batch ``g`` to rank ``g % world_size``, and deals the rank's ``k``-th batch to
 DataLoader worker ``k % num_workers``. The DataLoader collects from its
 workers round robin, so the training loop sees the rank's batches in the same
@@ -364,7 +365,9 @@ class TokenStream(IterableDataset):
         cfg = self.config
         used = self.batches_per_epoch * cfg.world_size * cfg.batch_size
         global_batches = self.epoch_order(epoch)[:used].reshape(-1, cfg.batch_size)
-        return global_batches[cfg.rank :: cfg.world_size]
+        # Within a batch, read blocks in file order (block ids run shard by shard): the rows' order
+        # does not change the batch's gradient, and each shard's blocks become one contiguous slice.
+        return np.sort(global_batches[cfg.rank :: cfg.world_size], axis=1)
 
     # -- reading ------------------------------------------------------------
 
@@ -374,21 +377,20 @@ class TokenStream(IterableDataset):
         state["_tokens"] = None
         return state
 
-    def gather(self, block_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read the blocks ``block_ids`` as int64 ``(x, y)``, one fancy-index gather per shard involved."""
+    def _gather(self, block_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read blocks ``block_ids`` (sorted, as rank_batches gives them) as int64 ``(x, y)``, one gather per shard."""
         if self._tokens is None:
             # plain ndarray views of the maps: indexing skips np.memmap's per-result bookkeeping
             self._tokens = [np.asarray(open_shard(p)) for p in self.paths]
-        shard_of = self.block_shard[block_ids]
+        shard_of = self.block_shard[block_ids]  # non-decreasing: rank_batches sorts each batch
         index = self.block_start[block_ids, None] + self._offsets  # (batch, block_size + 1)
-        first = shard_of[0]
-        if (shard_of == first).all():
-            rows = self._tokens[first][index]  # the common case: one gather
+        if shard_of[0] == shard_of[-1]:
+            rows = self._tokens[shard_of[0]][index]  # the common case: one gather
         else:
             rows = np.empty(index.shape, dtype=np.int64)
-            for shard in np.unique(shard_of):
-                pick = shard_of == shard
-                rows[pick] = self._tokens[shard][index[pick]]
+            cuts = [0, *(np.flatnonzero(np.diff(shard_of)) + 1), len(shard_of)]
+            for first, end in zip(cuts[:-1], cuts[1:]):
+                rows[first:end] = self._tokens[shard_of[first]][index[first:end]]
         # astype copies, so x and y come out contiguous (y.view(-1) works) and writable.
         return torch.from_numpy(rows[:, :-1].astype(np.int64)), torch.from_numpy(rows[:, 1:].astype(np.int64))
 
@@ -402,5 +404,5 @@ class TokenStream(IterableDataset):
             if position // self.batches_per_epoch != epoch:
                 epoch = position // self.batches_per_epoch
                 batches = self.rank_batches(epoch)
-            yield self.gather(batches[position % self.batches_per_epoch])
+            yield self._gather(batches[position % self.batches_per_epoch])
             position += num_workers
