@@ -152,6 +152,20 @@ def test_y_is_x_shifted_by_one_and_both_are_slices_of_the_shards(tmp_path):
         assert torch.equal(y, expected + 1)
 
 
+def test_unused_tail_tokens_are_exactly_those_in_no_block(tmp_path):
+    sizes = [700, 700, 10, 590]  # the third shard is shorter than one block
+    paths, start = [], 0
+    for number, size in enumerate(sizes):
+        paths.append(write_shard(tmp_path / f"s{number}.bin", np.arange(start, start + size), vocab_size=2_000,
+                                 tokenizer="counting"))
+        start += size
+    stream = TokenStream(paths, StreamConfig(block_size=16, batch_size=1, shuffle=False))
+    covered = set()
+    for x, y in stream:
+        covered |= set(x.flatten().tolist()) | set(y.flatten().tolist())
+    assert stream.unused_tail_tokens == sum(sizes) - len(covered)
+
+
 def test_no_block_crosses_a_shard_boundary(tmp_path):
     paths = counting_shards(tmp_path, num_tokens=2_000, tokens_per_shard=700)
     stream = TokenStream(paths, StreamConfig(block_size=16, batch_size=1, shuffle=False))

@@ -12,7 +12,7 @@ Three pieces, top to bottom:
    a shard of any size costs no memory until its pages are read.
 3. ``TokenStream``: an ``IterableDataset`` that yields whole batches
    ``(x, y)`` of shape ``(batch_size, block_size)``, each built with one
-   fancy-index gather from the memmap; no per-token Python loop. Use it with
+   fancy-index gather per shard it touches; no per-token Python loop. Use it with
    ``DataLoader(stream, batch_size=None)``.
 
 How the stream divides the work
@@ -291,8 +291,9 @@ class TokenStream(IterableDataset):
             )
         self.block_shard = np.repeat(np.arange(len(self.paths), dtype=np.int32), blocks_per_shard)
         self.block_start = np.concatenate([np.arange(n, dtype=np.int64) * block for n in blocks_per_shard])
-        # Tokens after each shard's last full block never appear in any x or y.
-        self.unused_tail_tokens = int((counts - blocks_per_shard * block - 1).clip(min=0).sum())
+        # Tokens after each shard's last full block (a whole shard, if it is too short) are in no x or y.
+        used_tokens = np.where(blocks_per_shard > 0, blocks_per_shard * block + 1, 0)
+        self.unused_tail_tokens = int((counts - used_tokens).sum())
         per_step = config.world_size * config.batch_size
         self.batches_per_epoch = self.num_blocks // per_step  # on each rank
         if self.batches_per_epoch == 0:
