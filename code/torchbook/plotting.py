@@ -57,7 +57,7 @@ def plot_history(
     for label, value in (reference_lines or {}).items():
         ax.axhline(value, linestyle="--", linewidth=1.0, color="grey")
         ax.annotate(label, xy=(1.0, value), xycoords=("axes fraction", "data"),
-                    xytext=(-4, 4), textcoords="offset points", ha="right", va="bottom",
+                    xytext=(-4, -3), textcoords="offset points", ha="right", va="top",
                     color="grey", fontsize="small")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
