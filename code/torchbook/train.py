@@ -210,7 +210,11 @@ class Trainer:
         return torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)
 
     def train_step(self, micro_batches: Sequence[tuple[Tensor, Tensor]]) -> None:
-        """Exactly one optimizer step over ``micro_batches`` (usually ``accum_steps`` of them, fewer at the end)."""
+        """Exactly one optimizer step over ``micro_batches`` (usually ``accum_steps`` of them, fewer at the end).
+
+        Parts 1-3 (count, forward and loss, backward) are in ``accumulate_gradients``,
+        part 4 (unscale, clip) in ``clip_gradients``; parts 5-7 follow here.
+        """
         if len(micro_batches) == 0:
             raise ValueError("Trainer.train_step: got no micro-batches; a step needs at least one")
         step_loss, target_tokens = self.accumulate_gradients(micro_batches)
@@ -219,15 +223,17 @@ class Trainer:
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        # 7. zero: None instead of a tensor of zeros; the next backward writes instead of adding.
-        self.optimizer.zero_grad(set_to_none=True)
         # The scaler halves its scale exactly when it skipped the step (a sync, but fp16's
         # scaler.step has already synced to look for infs).
-        if scale_before is not None and self.scaler.get_scale() < scale_before:
+        skipped = scale_before is not None and self.scaler.get_scale() < scale_before
+        # 6. schedule: the next step's learning rate; a skipped step does not advance it.
+        if not skipped:
+            self.scheduler.step()
+        # 7. zero: None instead of a tensor of zeros; the next backward writes instead of adding.
+        self.optimizer.zero_grad(set_to_none=True)
+        if skipped:
             self.skipped_steps += 1
             return
-        # 6. schedule: the next step's learning rate.
-        self.scheduler.step()
         self.step += 1
         self._unlogged.append((self.step, step_loss, grad_norm.detach(), target_tokens))
         if self.step % self.config.log_every == 0:
