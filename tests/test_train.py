@@ -298,3 +298,22 @@ def test_evaluate_is_the_mean_over_target_tokens_and_restores_train_mode():
     got = trainer.evaluate(split(x, y, [1, 2, 3]))
     assert got == pytest.approx(expected, rel=1e-6)  # float32 summation order
     assert model.training
+
+
+def test_plot_history_draws_train_and_sparse_validation_curves_with_labelled_axes():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from torchbook.plotting import plot_history
+
+    history = [{"step": 10, "loss": 3.0}, {"step": 20, "loss": 2.5, "val_loss": 2.7},
+               {"step": 30, "loss": 2.2}, {"step": 40, "loss": 2.0, "val_loss": 2.3}]
+    figure = plot_history({"run": history}, reference_lines={"baseline": 3.3})
+    ax = figure.axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines["train"].get_xdata()) == [10, 20, 30, 40]
+    assert list(lines["validation"].get_xdata()) == [20, 40]  # only rows that have val_loss
+    assert list(lines["validation"].get_ydata()) == [2.7, 2.3]
+    assert ax.get_xlabel() == "optimizer step" and "nats" in ax.get_ylabel()
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["train", "validation"]
+    matplotlib.pyplot.close(figure)
