@@ -31,6 +31,10 @@ book: data
 	  echo "make book needs Quarto $(QUARTO_MIN) or newer on PATH, and it is not there."; \
 	  echo "Install it from https://quarto.org/docs/get-started/ or with 'pip install quarto-cli' (needs internet)."; \
 	  exit 1; }
+	@version=$$(quarto --version); \
+	if [ "$$(printf '%s\n%s\n' "$(QUARTO_MIN)" "$$version" | sort -V | head -n 1)" != "$(QUARTO_MIN)" ]; then \
+	  echo "make book needs Quarto $(QUARTO_MIN) or newer (books render their PDF with Typst from 1.9 on); found $$version."; \
+	  exit 1; fi
 	QUARTO_PYTHON=$(abspath $(PY)) quarto render
 
 clean:

@@ -113,6 +113,8 @@ class ChapterCell(IPyNbCell):
     """One code cell of a chapter; failures say where in the .qmd it is."""
 
     def runtest(self):
+        if self.options["skip"]:
+            pytest.skip("#| eval: false: shown in the book, never run")
         chapter = self.parent
         remaining = chapter.budget_s - (time.monotonic() - chapter.started)
         if remaining <= 0:
