@@ -35,6 +35,7 @@ from qmd_notebook import QmdError, parse_qmd, to_notebook  # noqa: E402
 CHAPTER_BUDGET_S = 180.0
 LAB_BUDGET_S = 240.0
 KERNEL_STARTUP_TIMEOUT_S = 60
+COMPILE_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 WARNING_MARKERS = ("Warning:", "UserWarning", "FutureWarning", "DeprecationWarning")
 
 
@@ -89,8 +90,10 @@ class ChapterFile(IPyNbFile):
     def setup(self):
         self.started = time.monotonic()
         self.compile_cache = tempfile.TemporaryDirectory(prefix="inductor-")
-        # The kernel inherits this environment: a cold torch.compile cache, as a fresh render has.
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.compile_cache.name
+        # The kernel inherits this process's environment (nbval passes no env of its
+        # own): give it a cold torch.compile cache, as a fresh render has.
+        self.saved_cache_variable = os.environ.get(COMPILE_CACHE_VARIABLE)
+        os.environ[COMPILE_CACHE_VARIABLE] = self.compile_cache.name
         self.kernel = RunningKernel(
             CURRENT_ENV_KERNEL_NAME,
             cwd=str(self.path.parent),
@@ -100,10 +103,15 @@ class ChapterFile(IPyNbFile):
 
     def teardown(self):
         super().teardown()
+        if not hasattr(self, "started"):
+            return  # setup never ran
         elapsed = time.monotonic() - self.started
         self.config.stash.setdefault(CHAPTER_TIMES, {})[self.path.name] = elapsed
         self.compile_cache.cleanup()
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        if self.saved_cache_variable is None:
+            os.environ.pop(COMPILE_CACHE_VARIABLE, None)
+        else:
+            os.environ[COMPILE_CACHE_VARIABLE] = self.saved_cache_variable
 
 
 CHAPTER_TIMES = pytest.StashKey[dict]()
