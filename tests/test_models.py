@@ -11,10 +11,13 @@ import torch.nn.functional as F
 from torchbook.models import (
     GPT,
     INIT_STD,
+    ROPE_BASE,
     GPTConfig,
     TinyMLP,
+    apply_rope,
     count_parameters,
     masked_softmax_attention,
+    rope_tables,
 )
 
 # Small enough that every test runs in well under a second on 2 CPU cores.
@@ -117,6 +120,37 @@ def test_masked_softmax_attention_matches_a_per_position_loop():
     for t in range(5):  # position t averages the values at 0..t, weighted by softmax of its scores
         weights = torch.softmax(q[0, 0, t] @ k[0, 0, : t + 1].T / math.sqrt(4), dim=-1)
         torch.testing.assert_close(out[0, 0, t], weights @ v[0, 0, : t + 1], atol=FLOAT32_ATOL, rtol=0)
+
+
+def test_apply_rope_rotates_each_feature_pair_by_position_times_its_frequency():
+    head_size, block_size = 8, 12
+    cos, sin = rope_tables(head_size, block_size)
+    x = torch.randn(1, 1, block_size, head_size, generator=torch.Generator().manual_seed(4))
+    rotated = apply_rope(x, cos, sin)
+    half = head_size // 2
+    for t in (0, 1, block_size - 1):
+        for i in range(half):  # pair i is features (i, i + half), turned by t * base**(-2i / head_size)
+            angle = t * ROPE_BASE ** (-2 * i / head_size)
+            a, b = x[0, 0, t, i].item(), x[0, 0, t, i + half].item()
+            expected = (a * math.cos(angle) - b * math.sin(angle), a * math.sin(angle) + b * math.cos(angle))
+            got = (rotated[0, 0, t, i].item(), rotated[0, 0, t, i + half].item())
+            # 1e-5: float32 angles up to 11 rad are off by ~1e-6 (one ulp of 11) from float64 by hand.
+            assert got == pytest.approx(expected, abs=1e-5)
+
+
+def test_rope_scores_depend_only_on_the_distance_between_positions():
+    head_size, block_size = 16, 40
+    cos, sin = rope_tables(head_size, block_size)
+    generator = torch.Generator().manual_seed(5)
+    q_vector, k_vector = torch.randn(2, head_size, generator=generator)
+    # The same query and key vectors placed at every position.
+    q = apply_rope(q_vector.expand(1, 1, block_size, head_size), cos, sin)[0, 0]
+    k = apply_rope(k_vector.expand(1, 1, block_size, head_size), cos, sin)[0, 0]
+    distance = 3
+    scores = [q[m + distance] @ k[m] for m in range(block_size - distance)]
+    # 1e-4: float32 angles up to 39 rad are off by ~4e-6; a score sums head_size products of order 1.
+    torch.testing.assert_close(torch.stack(scores), scores[0].expand(len(scores)), atol=1e-4, rtol=0)
+    assert not torch.allclose(q[distance] @ k[0], q[distance + 1] @ k[0], atol=1e-4)  # other distances differ
 
 
 def test_forward_equals_forward_reference():
@@ -229,6 +263,11 @@ def test_too_long_input_raises_a_clear_error():
 def test_float_input_raises_a_clear_error():
     with pytest.raises(ValueError, match=r"idx must hold integer token ids.*float32"):
         make_model()(torch.zeros(1, 4))
+
+
+def test_config_rejects_an_odd_head_size_which_rope_cannot_pair():
+    with pytest.raises(ValueError, match="head size d_model/n_head = 3 must be even"):
+        GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=4, d_model=12)
 
 
 def test_config_rejects_d_model_not_divisible_by_n_head():

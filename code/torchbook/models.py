@@ -297,9 +297,9 @@ class GPT(nn.Module):
         Each step feeds at most the last block_size tokens, divides the last
         position's logits by ``temperature``, keeps the ``top_k`` largest if
         given, and draws from the softmax with ``generator``. Sampling runs on
-        the generator's device, so a CPU generator gives the same draws whatever
-        device holds the model. The model's train/eval mode is left as it is:
-        call ``model.eval()`` first so dropout is off.
+        the generator's device, so a CPU generator draws the same random numbers
+        whatever device holds the model. The model's train/eval mode is left as
+        it is: call ``model.eval()`` first so dropout is off.
         """
         if max_new_tokens < 0:
             raise ValueError(f"GPT.generate: max_new_tokens must be >= 0, got {max_new_tokens}")
