@@ -199,6 +199,28 @@ def test_fp16_inf_gradient_skips_the_step_and_halves_the_scale():
         assert torch.equal(tensor, weights_before[name]), f"{name} changed in a skipped step"
 
 
+def test_fit_does_not_evaluate_again_after_a_skipped_fp16_step():
+    """A skipped step leaves ``step`` where it was; fit must not re-run the evaluation of that step."""
+    model = make_model()
+    trainer = Trainer(model, config(precision="fp16", max_steps=3, eval_every=1), CPU)
+    backward_calls = []
+
+    def overflow_on_second_backward(grad: torch.Tensor) -> torch.Tensor:
+        backward_calls.append(1)
+        return torch.full_like(grad, float("inf")) if len(backward_calls) == 2 else grad
+
+    model.hidden.weight.register_hook(overflow_on_second_backward)
+    evaluations = []
+
+    def val_batches():
+        evaluations.append(trainer.step)
+        return [token_batch(2, seed=50)]
+
+    trainer.fit(iter([token_batch(4, seed=60 + i) for i in range(4)]), val_batches)
+    assert trainer.skipped_steps == 1 and trainer.step == 3, "the test needs exactly one skipped step"
+    assert evaluations == [1, 2, 3], f"expected one evaluation per completed step, got {evaluations}"
+
+
 class PoisonedLM(TinyLM):
     """TinyLM whose logits become NaN from its n-th training forward pass on."""
 
@@ -287,6 +309,11 @@ def test_unknown_precision_is_refused():
         TrainConfig(precision="fp8")
 
 
+def test_zero_learning_rate_is_refused():
+    with pytest.raises(ValueError, match=r"lr > 0, got min_lr=0.0, lr=0.0"):
+        TrainConfig(lr=0.0, min_lr=0.0)
+
+
 def test_evaluate_is_the_mean_over_target_tokens_and_restores_train_mode():
     x, y = token_batch(6, seed=11)
     y = y.clone()
@@ -298,22 +325,3 @@ def test_evaluate_is_the_mean_over_target_tokens_and_restores_train_mode():
     got = trainer.evaluate(split(x, y, [1, 2, 3]))
     assert got == pytest.approx(expected, rel=1e-6)  # float32 summation order
     assert model.training
-
-
-def test_plot_history_draws_train_and_sparse_validation_curves_with_labelled_axes():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from torchbook.plotting import plot_history
-
-    history = [{"step": 10, "loss": 3.0}, {"step": 20, "loss": 2.5, "val_loss": 2.7},
-               {"step": 30, "loss": 2.2}, {"step": 40, "loss": 2.0, "val_loss": 2.3}]
-    figure = plot_history({"run": history}, reference_lines={"baseline": 3.3})
-    ax = figure.axes[0]
-    lines = {line.get_label(): line for line in ax.get_lines()}
-    assert list(lines["train"].get_xdata()) == [10, 20, 30, 40]
-    assert list(lines["validation"].get_xdata()) == [20, 40]  # only rows that have val_loss
-    assert list(lines["validation"].get_ydata()) == [2.7, 2.3]
-    assert ax.get_xlabel() == "optimizer step" and "nats" in ax.get_ylabel()
-    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["train", "validation"]
-    matplotlib.pyplot.close(figure)

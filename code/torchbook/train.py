@@ -17,11 +17,14 @@ A step over ``accum_steps`` micro-batches does, in this order:
 
 The loss and the gradient norm stay on the device as tensors. They are read to
 the host (a GPU sync) only every ``log_every`` steps, when a row is appended to
-``history``; that is also when a non-finite loss is noticed and reported with
-the step it happened at.
+``history``. That is also when a non-finite loss is noticed: up to
+``log_every - 1`` steps after it happened, steps that have already applied
+non-finite updates to the weights. The error names the step where it started,
+so you can resume from a checkpoint taken before it.
 
 The trainer keeps no global state: the caller seeds the model's initialisation
-and the data, and the loop itself draws no random numbers.
+(and the global generator that dropout draws from) and the data; the loop
+itself draws no random numbers.
 """
 
 from __future__ import annotations
@@ -80,8 +83,10 @@ class TrainConfig:
                 f"TrainConfig.warmup_steps must be an int in [0, max_steps={self.max_steps}], "
                 f"got {self.warmup_steps!r}"
             )
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"TrainConfig needs 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}")
+        if not 0 <= self.min_lr <= self.lr or self.lr <= 0:
+            raise ValueError(
+                f"TrainConfig needs 0 <= min_lr <= lr and lr > 0, got min_lr={self.min_lr}, lr={self.lr}"
+            )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"TrainConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
 
@@ -210,10 +215,12 @@ class Trainer:
         return torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)
 
     def train_step(self, micro_batches: Sequence[tuple[Tensor, Tensor]]) -> None:
-        """Exactly one optimizer step over ``micro_batches`` (usually ``accum_steps`` of them, fewer at the end).
+        """One optimizer step over ``micro_batches`` (usually ``accum_steps`` of them, fewer at the end).
 
         Parts 1-3 (count, forward and loss, backward) are in ``accumulate_gradients``,
-        part 4 (unscale, clip) in ``clip_gradients``; parts 5-7 follow here.
+        part 4 (unscale, clip) in ``clip_gradients``; parts 5-7 follow here. With
+        fp16 the scaler may skip the step (a gradient overflowed): then ``step``
+        does not advance and ``skipped_steps`` does.
         """
         if len(micro_batches) == 0:
             raise ValueError("Trainer.train_step: got no micro-batches; a step needs at least one")
@@ -312,8 +319,10 @@ class Trainer:
             group = list(itertools.islice(train_batches, self.config.accum_steps))
             if not group:
                 break
+            steps_before = self.step
             self.train_step(group)
-            if val_batches is not None and self.step % self.config.eval_every == 0:
+            stepped = self.step > steps_before  # False when the fp16 scaler skipped the step
+            if val_batches is not None and stepped and self.step % self.config.eval_every == 0:
                 self._evaluate_into_history(val_batches)
         self.log()
         if val_batches is not None and self.history and "val_loss" not in self.history[-1]:
