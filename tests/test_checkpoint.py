@@ -298,6 +298,14 @@ def test_resume_continues_exactly_like_the_original_objects(tmp_path):
     assert_same_tensors(snapshot(other), snapshot(model))
 
 
+def test_skipped_steps_come_back_with_the_step(tmp_path):
+    model, optimizer, _, _ = make_training_objects(0)
+    path = ckpt.save_training_checkpoint(tmp_path, step=2, skipped_steps=3, model=model, optimizer=optimizer)
+    target, target_optimizer, _, _ = make_training_objects(1)
+    resumed = ckpt.load_training_checkpoint(path, model=target, optimizer=target_optimizer)
+    assert (resumed.step, resumed.skipped_steps) == (2, 3)
+
+
 def test_different_model_config_is_refused_and_nothing_is_loaded(tmp_path):
     model, optimizer, _, _ = make_training_objects(0)
     path = ckpt.save_training_checkpoint(tmp_path, step=2, model=model, optimizer=optimizer,
@@ -444,6 +452,17 @@ def test_cuda_rng_states_on_a_machine_without_cuda_are_refused_before_loading(tm
     with pytest.raises(CheckpointError, match="rng: states for 1 CUDA devices in the file, 0 here"):
         ckpt.load_training_checkpoint(path, model=target, optimizer=target_optimizer)
     assert_same_tensors(snapshot(target), before)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_restoring_foreign_cuda_rng_states_changes_no_generator():
+    state = ckpt.capture_rng_state()
+    state["torch_cuda"] = [torch.zeros(16, dtype=torch.uint8)]  # as if captured on one GPU
+    random.seed(1)
+    expected = random.getstate()
+    with pytest.raises(CheckpointError, match="rng: states for 1 CUDA devices in the file, 0 here"):
+        ckpt.restore_rng_state(state, "test")
+    assert random.getstate() == expected  # Python's generator, restored first otherwise, is untouched
 
 
 def test_save_refuses_container_subclasses_that_weights_only_refuses(tmp_path):

@@ -7,9 +7,10 @@ Two kinds of file serve two purposes:
   This is what you hand to someone who will run or fine-tune the model.
 - **Training checkpoints** (``save_training_checkpoint`` /
   ``load_training_checkpoint``): everything a run needs to continue as if it had
-  never stopped: model, optimizer, learning-rate scheduler, ``GradScaler``, step,
-  random-number-generator states (Python, NumPy, torch CPU and CUDA), the data
-  stream's position, the loss history and both configurations.
+  never stopped: model, optimizer, learning-rate scheduler, ``GradScaler``, step
+  (and the fp16 steps the scaler skipped), random-number-generator states
+  (Python, NumPy, torch CPU and CUDA), the data stream's position, the loss
+  history and both configurations.
 
 Rules every function here keeps:
 
@@ -366,8 +367,20 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
+def cuda_rng_problem(state: Mapping[str, Any]) -> str | None:
+    """Why ``state``'s CUDA RNG states cannot be restored here (one per device, so the counts must match), or None."""
+    saved = len(state.get("torch_cuda") or [])
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if saved and saved != here:
+        return f"rng: states for {saved} CUDA devices in the file, {here} here"
+    return None
+
+
 def restore_rng_state(state: Mapping[str, Any], source: str | Path = "checkpoint") -> None:
-    """Set the global random states captured by ``capture_rng_state``."""
+    """Set the global random states captured by ``capture_rng_state`` (all of them, or none on error)."""
+    problem = cuda_rng_problem(state)
+    if problem:
+        raise CheckpointError(f"{source}: {problem}; the run would not continue exactly")
     python = state["python"]
     random.setstate((python["version"], tuple(python["words"].tolist()), python["gauss"]))
     numpy = state["numpy"]
@@ -376,15 +389,8 @@ def restore_rng_state(state: Mapping[str, Any], source: str | Path = "checkpoint
         numpy["position"], numpy["has_gauss"], numpy["cached_gaussian"],
     ))
     torch.set_rng_state(state["torch_cpu"])
-    cuda_states = state.get("torch_cuda") or []
-    if cuda_states:
-        if not torch.cuda.is_available() or torch.cuda.device_count() != len(cuda_states):
-            available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            raise CheckpointError(
-                f"{source}: holds RNG states for {len(cuda_states)} CUDA devices, this machine has {available}; "
-                "the run would not continue exactly"
-            )
-        torch.cuda.set_rng_state_all(cuda_states)
+    if state.get("torch_cuda"):
+        torch.cuda.set_rng_state_all(state["torch_cuda"])
 
 
 # --------------------------------------------------------------------------- training checkpoints
@@ -417,6 +423,7 @@ def save_training_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    skipped_steps: int = 0,
     data_state: Mapping[str, Any] | None = None,
     model_config: Any = None,
     train_config: Any = None,
@@ -426,9 +433,12 @@ def save_training_checkpoint(
     """Write everything needed to resume exactly to ``folder/step_<step>.pt``; keep the newest ``keep_last``.
 
     Call it after optimizer step ``step`` has completed and before the next
-    batch is drawn, with ``data_state`` saying how far the data stream has gone.
-    Everything is checked for ``weights_only`` loadability before any byte is
-    written, and older checkpoints are deleted only after the new one is durable.
+    batch is drawn, with ``data_state`` saying how far the data stream has gone
+    and ``history`` complete up to ``step`` (log pending losses first).
+    ``skipped_steps`` counts the fp16 steps the ``GradScaler`` skipped: they
+    consumed batches but are not in ``step``. Everything is checked for
+    ``weights_only`` loadability before any byte is written, and older
+    checkpoints are deleted only after the new one is durable.
     """
     if keep_last < 1:
         raise CheckpointError(f"keep_last={keep_last}: must be at least 1, or the new checkpoint would be deleted")
@@ -437,6 +447,7 @@ def save_training_checkpoint(
         "format": TRAINING_FORMAT,
         "format_version": TRAINING_FORMAT_VERSION,
         "step": int(step),
+        "skipped_steps": int(skipped_steps),
         "model": unwrap_state_dict(model.state_dict()),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -468,6 +479,7 @@ class Resumed:
 
     path: Path
     step: int  # the number of optimizer steps already taken
+    skipped_steps: int  # fp16 steps the scaler skipped (not counted in step)
     data_state: dict[str, Any] | None  # pass to the data stream's load_state_dict
     history: Any  # whatever was saved as history (e.g. the loss per step)
     train_config_changes: list[str] = field(default_factory=list)  # reported, not refused
@@ -554,11 +566,9 @@ def load_training_checkpoint(
             f"scaler: {'enabled' if state['scaler'] else 'disabled'} in the file, "
             f"{'enabled' if scaler.is_enabled() else 'disabled'} now"
         )
-    cuda_states = len(state["rng"].get("torch_cuda") or [])
-    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if restore_rng and cuda_states and cuda_states != cuda_devices:
-        problems.append(f"rng: states for {cuda_states} CUDA devices in the file, {cuda_devices} here "
-                        "(pass restore_rng=False to continue, not exactly)")
+    rng_problem = cuda_rng_problem(state["rng"]) if restore_rng else None
+    if rng_problem:
+        problems.append(f"{rng_problem} (pass restore_rng=False to continue, not exactly)")
     if problems:
         raise CheckpointError(
             f"{path}: does not fit the objects it should restore; nothing was loaded:\n  " + "\n  ".join(problems)
@@ -574,6 +584,7 @@ def load_training_checkpoint(
     return Resumed(
         path=path,
         step=state["step"],
+        skipped_steps=state["skipped_steps"],
         data_state=state["data"],
         history=state["history"],
         train_config_changes=config_differences(state["train_config"], config_as_dict(train_config))
@@ -761,8 +772,11 @@ def parameters_on_meta() -> Iterator[None]:
     causal masks, RoPE tables); after loading they would still be meta, with no
     values. Parameters are the big part and the checkpoint supplies them; buffers
     are small and computed by the constructor, so only parameters go to meta.
-    (This patches ``nn.Module.register_parameter`` for the duration of the
-    block, so build one model at a time, from one thread.)
+    This is what Hugging Face Accelerate's ``init_empty_weights()`` does, and
+    like it this patches ``nn.Module.register_parameter`` for the duration of
+    the block, so build one model at a time, from one thread. (torchtitan
+    instead builds under ``torch.device("meta")`` and calls a model method that
+    recomputes the buffers; that needs the model's cooperation, this does not.)
     """
     register = nn.Module.register_parameter
 
