@@ -1,8 +1,11 @@
 """Exact resume, proven with real processes: SIGKILL after a checkpoint, and SIGKILL in the middle of a save.
 
-Each test runs ``python -m torchbook.resume_demo`` (a byte-level GPT trained on
-Tiny Shakespeare with dropout, AdamW, a warmup-cosine schedule, one thread,
-deterministic algorithms) in subprocesses and compares what they leave behind.
+The first tests run ``python -m torchbook.resume_demo`` (a byte-level GPT trained
+on Tiny Shakespeare with dropout, AdamW, a warmup-cosine schedule, one thread,
+deterministic algorithms) in subprocesses and compare what they leave behind.
+The last one resumes in the same process, in fp16 with skipped steps and a
+checkpoint between two log rows, cases the subprocess runs (fp32, a log row
+every step) never meet.
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ import pytest
 import torch
 
 from torchbook import checkpoint as ckpt
+from torchbook.data import StreamConfig, TokenStream
+from torchbook.models import GPT, GPTConfig
+from torchbook.resume_demo import BYTE_VOCAB, Run, byte_shard
+from torchbook.train import TrainConfig, Trainer
 
 STEPS = 12
 SAVE_EVERY = 4
@@ -102,3 +109,57 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert f"resumed from {previous.name}" in output
     assert not [path for path in folder.iterdir() if ckpt.TEMPORARY_MARKER in path.name], \
         "the next successful save should remove the leftover temporary"
+
+
+# ----------------------------------------------------------------- in one process: what Run.save must carry
+
+IN_PROCESS_STEPS = 10
+IN_PROCESS_SAVE_EVERY = 4  # not a multiple of LOG_EVERY: the checkpoint falls between two log rows
+LOG_EVERY = 3
+OVERFLOWING_SCALE = 2.0**20  # fp16 gradients times this overflow: the scaler skips the first steps
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, so every float sum is added in the same order in both runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def fp16_run(folder: Path, shard: Path) -> Run:
+    """A tiny fp16 run whose first steps the GradScaler skips, logging every LOG_EVERY steps."""
+    model_config = GPTConfig(vocab_size=BYTE_VOCAB, block_size=16, n_layer=1, n_head=2, d_model=32, dropout=0.1)
+    train_config = TrainConfig(max_steps=IN_PROCESS_STEPS, lr=1e-3, warmup_steps=2, precision="fp16",
+                               log_every=LOG_EVERY)
+    torch.manual_seed(0)
+    trainer = Trainer(GPT(model_config), train_config, torch.device("cpu"))
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=OVERFLOWING_SCALE)
+    stream = TokenStream([shard], StreamConfig(block_size=16, batch_size=4, shuffle=True, seed=0, epochs=None))
+    return Run(folder=folder, model_config=model_config, train_config=train_config, trainer=trainer,
+               stream=stream, save_every=IN_PROCESS_SAVE_EVERY, keep_last=2)
+
+
+def test_resume_between_log_rows_after_skipped_steps_matches_an_uninterrupted_run(tmp_path, one_thread):
+    """Pending losses, skipped steps and the batches those steps drew all survive a checkpoint."""
+    shard = byte_shard(tmp_path)
+    whole = fp16_run(tmp_path / "whole", shard)
+    whole.train_until(IN_PROCESS_STEPS)
+    whole.trainer.log()
+
+    cut = fp16_run(tmp_path / "cut", shard)
+    cut.train_until(IN_PROCESS_SAVE_EVERY)
+    assert cut.trainer.skipped_steps > 0, "the demonstration needs fp16 steps that the scaler skipped"
+    resumed = fp16_run(tmp_path / "cut", shard)  # a fresh process would build the same objects
+    resumed.resume(ckpt.latest_checkpoint(tmp_path / "cut"))
+    resumed.train_until(IN_PROCESS_STEPS)
+    resumed.trainer.log()
+
+    assert resumed.trainer.skipped_steps == whole.trainer.skipped_steps
+    assert resumed.batches_drawn == whole.batches_drawn
+    assert [row["step"] for row in resumed.trainer.history] == [row["step"] for row in whole.trainer.history]
+    # exact float equality: same process, one thread, same operations in the same order
+    assert [row["loss"] for row in resumed.trainer.history] == [row["loss"] for row in whole.trainer.history]
+    for name, tensor in whole.trainer.model.state_dict().items():
+        assert torch.equal(resumed.trainer.model.state_dict()[name], tensor), f"{name} differs after resume"

@@ -12,8 +12,11 @@ checkpoint ``k``, to show that the previous checkpoint survives.
 
 It ties the book's pieces together: a byte-level ``GPT`` (models), trained by
 ``Trainer`` (train) on a ``TokenStream`` over Tiny Shakespeare (data), saved and
-restored with ``save_training_checkpoint`` / ``load_training_checkpoint``
-(checkpoint). Exactness needs deterministic CPU settings: one thread (the order
+restored by ``Run.save`` / ``Run.resume`` with ``save_training_checkpoint`` /
+``load_training_checkpoint`` (checkpoint). Besides the model, optimizer,
+scheduler and scaler, a run's state is the step, the fp16 steps the scaler
+skipped, the loss history (with the trainer's pending losses logged first) and
+the number of batches drawn from the stream. Exactness needs deterministic CPU settings: one thread (the order
 of float additions is fixed), ``torch.use_deterministic_algorithms(True)`` and
 seeded generators. Dropout is on, so the RNG state must be restored too.
 """
@@ -26,6 +29,8 @@ import os
 import random
 import signal
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +38,7 @@ import torch
 
 from torchbook.cache import shakespeare_path
 from torchbook.checkpoint import (
+    Resumed,
     atomic_write,
     latest_checkpoint,
     load_training_checkpoint,
@@ -96,6 +102,68 @@ def demo_configs(sizes: CheckpointSizes, steps: int, seed: int) -> tuple[GPTConf
     return model_config, train_config, stream_config
 
 
+@dataclass
+class Run:
+    """One training run's live objects, and the one count the ``Trainer`` does not keep: batches drawn."""
+
+    folder: Path  # checkpoints go here
+    model_config: GPTConfig
+    train_config: TrainConfig
+    trainer: Trainer
+    stream: TokenStream
+    save_every: int
+    keep_last: int
+    batches_drawn: int = 0  # from the start of training; a step the fp16 scaler skips draws batches too
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None  # started at the first step
+
+    def save(self) -> Path:
+        """Checkpoint the full state after the latest optimizer step.
+
+        ``Trainer.log`` runs first: the trainer keeps each step's loss on the
+        device until its next log row, and a checkpoint taken with losses pending
+        would resume with them lost, so the history would differ. It writes a
+        row only when losses are pending, and an uninterrupted run saving at the
+        same steps writes the same rows.
+        """
+        trainer = self.trainer
+        trainer.log()
+        return save_training_checkpoint(
+            self.folder, step=trainer.step, skipped_steps=trainer.skipped_steps, model=trainer.model,
+            optimizer=trainer.optimizer, scheduler=trainer.scheduler, scaler=trainer.scaler,
+            data_state=self.stream.state_dict(batches_consumed=self.batches_drawn),
+            model_config=self.model_config, train_config=self.train_config, history=trainer.history,
+            keep_last=self.keep_last)
+
+    def resume(self, path: Path, restore_rng: bool = True) -> Resumed:
+        """Restore everything ``save`` wrote, into this run's objects, before its first step."""
+        if self.batches is not None:
+            raise RuntimeError(f"{path}: resume before the first step, not after {self.batches_drawn} batches")
+        resumed = load_training_checkpoint(
+            path, model=self.trainer.model, optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler,
+            scaler=self.trainer.scaler, model_config=self.model_config, train_config=self.train_config,
+            restore_rng=restore_rng)
+        self.stream.load_state_dict(resumed.data_state)
+        self.batches_drawn = resumed.data_state["batches_consumed"]
+        self.trainer.step = resumed.step
+        self.trainer.skipped_steps = resumed.skipped_steps
+        self.trainer.history = list(resumed.history)
+        return resumed
+
+    def train_until(self, until_step: int) -> None:
+        """Take optimizer steps until ``trainer.step == until_step``, saving after every ``save_every``-th."""
+        if self.batches is None:
+            self.batches = iter(self.stream)
+        trainer = self.trainer
+        while trainer.step < until_step:
+            group = [next(self.batches) for _ in range(self.train_config.accum_steps)]
+            self.batches_drawn += len(group)
+            step_before = trainer.step
+            trainer.train_step(group)
+            if trainer.step > step_before and trainer.step % self.save_every == 0:
+                path = self.save()
+                print(f"checkpoint {trainer.step // self.save_every} written: {path.name}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     sizes = active_profile().checkpoint
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -122,44 +190,32 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu")
 
     model_config, train_config, stream_config = demo_configs(sizes, args.steps, args.seed)
-    model = GPT(model_config)
-    trainer = Trainer(model, train_config, device)
-    stream = TokenStream([byte_shard(args.folder)], stream_config)
+    run = Run(folder=args.folder, model_config=model_config, train_config=train_config,
+              trainer=Trainer(GPT(model_config), train_config, device),
+              stream=TokenStream([byte_shard(args.folder)], stream_config),
+              save_every=args.save_every, keep_last=args.keep_last)
 
     if args.resume:
         path = latest_checkpoint(args.folder)
         if path is None:
             print(f"{args.folder}: no checkpoint to resume from", file=sys.stderr)
             return 1
-        resumed = load_training_checkpoint(
-            path, model=model, optimizer=trainer.optimizer, scheduler=trainer.scheduler, scaler=trainer.scaler,
-            model_config=model_config, train_config=train_config, restore_rng=not args.no_restore_rng)
-        trainer.step = resumed.step
-        trainer.history = list(resumed.history)
-        stream.load_state_dict(resumed.data_state)
+        resumed = run.resume(path, restore_rng=not args.no_restore_rng)
         print(f"resumed from {path.name} at step {resumed.step}", flush=True)
         for change in resumed.train_config_changes:
             print(f"training configuration changed: {change}", flush=True)
 
-    batches = iter(stream)
-    while trainer.step < train_config.max_steps:
-        trainer.train_step([next(batches) for _ in range(train_config.accum_steps)])
-        if trainer.step % args.save_every == 0:
-            number = trainer.step // args.save_every
-            if args.kill_during_save == number:
-                die_halfway_through_saves()
-            path = save_training_checkpoint(
-                args.folder, step=trainer.step, model=model, optimizer=trainer.optimizer,
-                scheduler=trainer.scheduler, scaler=trainer.scaler,
-                data_state=stream.state_dict(batches_consumed=trainer.step * train_config.accum_steps),
-                model_config=model_config, train_config=train_config, history=trainer.history,
-                keep_last=args.keep_last)
-            print(f"checkpoint {number} written: {path.name}", flush=True)
-            if args.kill_after_checkpoint == number:
-                print(f"killed after checkpoint {number}", flush=True)
-                kill_now()
+    if args.kill_after_checkpoint is not None:
+        run.train_until(args.kill_after_checkpoint * args.save_every)
+        print(f"killed after checkpoint {args.kill_after_checkpoint}", flush=True)
+        kill_now()
+    if args.kill_during_save is not None:
+        run.train_until((args.kill_during_save - 1) * args.save_every)
+        die_halfway_through_saves()  # the next checkpoint is number kill_during_save
+    run.train_until(train_config.max_steps)
 
-    result = {"weights": model.state_dict(), "losses": [row["loss"] for row in trainer.history],
+    trainer = run.trainer
+    result = {"weights": trainer.model.state_dict(), "losses": [row["loss"] for row in trainer.history],
               "steps": [row["step"] for row in trainer.history]}
     atomic_write(args.out, lambda temporary: torch.save(result, temporary))
     print(f"finished {trainer.step} steps, final loss {trainer.history[-1]['loss']:.4f}", flush=True)
