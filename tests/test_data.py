@@ -138,6 +138,13 @@ def test_block_longer_than_every_shard_is_an_error_naming_them(tmp_path):
         TokenStream(paths, StreamConfig(block_size=100, batch_size=1))
 
 
+def test_shards_of_another_tokenizer_are_refused_naming_the_odd_one(tmp_path):
+    first = write_shard(tmp_path / "a.bin", np.arange(100), vocab_size=100, tokenizer="bpe-100")
+    other = write_shard(tmp_path / "b.bin", np.arange(100), vocab_size=256, tokenizer="bytes")
+    with pytest.raises(ShardError, match=r"b\.bin: ids from tokenizer 'bytes' with 256 ids, but a\.bin has 'bpe-100'"):
+        TokenStream([first, other], StreamConfig(block_size=8, batch_size=1))
+
+
 # -- the stream -----------------------------------------------------------------
 
 

@@ -11,9 +11,10 @@ Three pieces, top to bottom:
    ``open_shard`` validates the pair and maps the file with ``np.memmap``, so
    a shard of any size costs no memory until its pages are read.
 3. ``TokenStream``: an ``IterableDataset`` that yields whole batches
-   ``(x, y)`` of shape ``(batch_size, block_size)``, each built with one
-   fancy-index gather per shard it touches; no per-token Python loop. Use it with
-   ``DataLoader(stream, batch_size=None)``.
+   ``(x, y)`` of shape ``(batch_size, block_size)``. Each shard is viewed,
+   without copying, as a table whose rows are its blocks, so a batch is one
+   gather of whole rows per shard it touches; no per-token Python loop. Use
+   it with ``DataLoader(stream, batch_size=None)``.
 
 How the stream divides the work
 -------------------------------
@@ -279,6 +280,13 @@ class TokenStream(IterableDataset):
         self.paths = [Path(p) for p in shards]
         self.config = config
         headers = [read_header(p) for p in self.paths]
+        for path, header in zip(self.paths[1:], headers[1:]):
+            if (header.vocab_size, header.tokenizer) != (headers[0].vocab_size, headers[0].tokenizer):
+                raise ShardError(
+                    f"{path}: ids from tokenizer {header.tokenizer!r} with {header.vocab_size:,} ids, but "
+                    f"{self.paths[0].name} has {headers[0].tokenizer!r} with {headers[0].vocab_size:,}; "
+                    f"one stream must hold ids of one tokenizer"
+                )
         counts = np.array([h.num_tokens for h in headers], dtype=np.int64)
         block = config.block_size
         # A block needs block_size + 1 tokens; consecutive blocks share one token.
@@ -289,6 +297,7 @@ class TokenStream(IterableDataset):
                 f"{', '.join(map(str, self.paths))}: block_size={block} needs at least {block + 1} tokens "
                 f"in one shard, but the longest has {int(counts.max()):,}"
             )
+        self.blocks_per_shard = blocks_per_shard
         self.block_shard = np.repeat(np.arange(len(self.paths), dtype=np.int32), blocks_per_shard)
         self.block_start = np.concatenate([np.arange(n, dtype=np.int64) * block for n in blocks_per_shard])
         # Tokens after each shard's last full block (a whole shard, if it is too short) are in no x or y.
@@ -303,8 +312,7 @@ class TokenStream(IterableDataset):
             )
         self.dropped_blocks_per_epoch = self.num_blocks - self.batches_per_epoch * per_step
         self.start_batch = 0  # position to resume from, in batches this rank has consumed
-        self._offsets = np.arange(block + 1, dtype=np.int64)
-        self._tokens: list[np.memmap] | None = None  # opened lazily, once per process
+        self._blocks: list[np.ndarray] | None = None  # each shard viewed as blocks, made lazily once per process
 
     # -- positions ----------------------------------------------------------
 
@@ -375,23 +383,39 @@ class TokenStream(IterableDataset):
     def __getstate__(self) -> dict:
         # Pickled into DataLoader workers (spawn on macOS/Windows): send paths, never the mapped data.
         state = self.__dict__.copy()
-        state["_tokens"] = None
+        state["_blocks"] = None
         return state
 
+    def _block_views(self) -> list[np.ndarray]:
+        """Each shard's memmap viewed, read-only, as a table whose row ``i`` is the block starting at ``i * block_size``.
+
+        Nothing is copied (consecutive rows share one token of the file), and a
+        batch becomes a gather of whole rows, ``block_size + 1`` contiguous
+        tokens each, instead of an index per token.
+        """
+        block = self.config.block_size
+        views = []
+        for path, rows in zip(self.paths, self.blocks_per_shard):
+            tokens = open_shard(path)
+            step = tokens.itemsize
+            views.append(np.lib.stride_tricks.as_strided(
+                tokens, shape=(int(rows), block + 1), strides=(block * step, step), subok=False, writeable=False
+            ))
+        return views
+
     def _gather(self, block_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read blocks ``block_ids`` (sorted, as rank_batches gives them) as int64 ``(x, y)``, one gather per shard."""
-        if self._tokens is None:
-            # plain ndarray views of the maps: indexing skips np.memmap's per-result bookkeeping
-            self._tokens = [np.asarray(open_shard(p)) for p in self.paths]
+        """Read blocks ``block_ids`` (sorted, as rank_batches gives them) as int64 ``(x, y)``, one row copy per shard."""
+        if self._blocks is None:
+            self._blocks = self._block_views()
         shard_of = self.block_shard[block_ids]  # non-decreasing: rank_batches sorts each batch
-        index = self.block_start[block_ids, None] + self._offsets  # (batch, block_size + 1)
+        row_of = self.block_start[block_ids] // self.config.block_size  # the block's row in its shard's view
         if shard_of[0] == shard_of[-1]:
-            rows = self._tokens[shard_of[0]][index]  # the common case: one gather
+            rows = self._blocks[shard_of[0]][row_of]  # the common case with large shards: one gather
         else:
-            rows = np.empty(index.shape, dtype=np.int64)
-            cuts = [0, *(np.flatnonzero(np.diff(shard_of)) + 1), len(shard_of)]
+            rows = np.empty((len(block_ids), self.config.block_size + 1), dtype=self._blocks[0].dtype)
+            cuts = [0, *(np.flatnonzero(np.diff(shard_of)) + 1), len(block_ids)]  # where the shard changes
             for first, end in zip(cuts[:-1], cuts[1:]):
-                rows[first:end] = self._tokens[shard_of[first]][index[first:end]]
+                rows[first:end] = self._blocks[shard_of[first]][row_of[first:end]]
         # astype copies, so x and y come out contiguous (y.view(-1) works) and writable.
         return torch.from_numpy(rows[:, :-1].astype(np.int64)), torch.from_numpy(rows[:, 1:].astype(np.int64))
 
