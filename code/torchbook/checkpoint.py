@@ -640,12 +640,18 @@ def split_aliases(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, tor
     return tensors, aliases
 
 
+def _tensors_to_publish(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor]
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors to write, without wrapper prefixes and each shared tensor once, and the aliases dropped."""
+    state_dict = (model_or_state_dict.state_dict() if isinstance(model_or_state_dict, nn.Module)
+                  else model_or_state_dict)
+    return split_aliases(unwrap_state_dict(state_dict))
+
+
 def save_safetensors(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], path: str | Path,
                      metadata: Mapping[str, str] | None = None) -> Path:
     """Export weights to one safetensors file, atomically, with tied tensors stored once."""
-    state_dict = (model_or_state_dict.state_dict() if isinstance(model_or_state_dict, nn.Module)
-                  else model_or_state_dict)
-    tensors, aliases = split_aliases(unwrap_state_dict(state_dict))
+    tensors, aliases = _tensors_to_publish(model_or_state_dict)
     header = {str(key): str(value) for key, value in (metadata or {}).items()}
     header[ALIASES_KEY] = json.dumps(aliases)
     return atomic_write(path, lambda temporary: safetensors.torch.save_file(tensors, temporary, metadata=header))
@@ -686,9 +692,7 @@ def save_sharded_safetensors(model_or_state_dict: nn.Module | Mapping[str, torch
     shard holds whole tensors, so one larger than ``max_shard_bytes`` gets a shard
     of its own. The index is written last: until it exists, no shard set is complete.
     """
-    state_dict = (model_or_state_dict.state_dict() if isinstance(model_or_state_dict, nn.Module)
-                  else model_or_state_dict)
-    tensors, aliases = split_aliases(unwrap_state_dict(state_dict))
+    tensors, aliases = _tensors_to_publish(model_or_state_dict)
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
     for name, tensor in tensors.items():
