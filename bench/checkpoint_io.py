@@ -1,6 +1,6 @@
 """Save and load throughput of torch.save/torch.load against safetensors, next to the disk's own bandwidth.
 
-    .venv/bin/python bench/checkpoint_io.py [--n-layer 12 --d-model 768 --vocab-size 50304] [--repeats 3]
+    .venv/bin/python bench/checkpoint_io.py [--n-layer 12 --d-model 768 --vocab-size 50304] [--rounds 3]
 
 The model is a GPT-2-small-sized GPT (about 124 M parameters, ~500 MB in
 float32; the tied head is stored once by both formats). Every save is
@@ -8,7 +8,7 @@ durable: written to a temporary file, fsync'd, renamed, folder fsync'd
 (``checkpoint.atomic_write``), so the time includes getting the bytes onto
 the disk, not only into the page cache. The disk's fsync'd write bandwidth is
 measured in the same run by writing the same number of bytes with plain
-``write`` calls and one ``fsync``: the ceiling any format can reach.
+``write`` calls and one ``fsync``: the reference a format's save is compared with.
 
 Loads are timed twice, each followed by reading one value per page of every
 tensor (a memory-mapped loader returns before reading anything). **Cold**:
@@ -16,7 +16,14 @@ the file's pages are first dropped from the page cache with
 ``posix_fadvise(DONTNEED)`` (no root needed; clean pages only, which holds
 right after an fsync), and ``mincore`` confirms how much of the file was
 still cached. **Warm**: the same file loaded again straight away, from the
-page cache. Each time is the median of ``--repeats`` runs.
+page cache.
+
+A shared or virtual disk's speed drifts by a factor of two from one write to
+the next, so the things compared are timed in interleaved rounds (one of each
+per round: the disk, then each save; then each cold load; then each warm
+load) and each reports its best round, as ``timeit`` does: the run least
+disturbed by everything else on the machine. Drift that lasts a whole round
+then affects all of them alike.
 
 The last line is ``safetensors save / disk write bandwidth: <x>``, the share of
 the disk's bandwidth a durable safetensors save achieves.
@@ -29,7 +36,6 @@ import ctypes
 import mmap
 import os
 import platform
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -89,16 +95,21 @@ def drop_from_page_cache(path: Path) -> float:
     return resident_fraction(path)
 
 
-def median_seconds(action: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> float:
-    """Median wall time of ``action`` over ``repeats`` runs; ``before`` runs untimed ahead of each."""
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def best_of_interleaved(actions: dict[str, Callable[[], object]], rounds: int,
+                        before: Callable[[str], object] | None = None) -> dict[str, float]:
+    """Best wall time of each action over ``rounds`` rounds that run every action once, in turn.
+
+    ``before(name)`` runs untimed ahead of each timed run (to drop a file from the page cache).
+    """
+    times: dict[str, list[float]] = {name: [] for name in actions}
+    for _ in range(rounds):
+        for name, action in actions.items():
+            if before is not None:
+                before(name)
+            start = time.perf_counter()
+            action()
+            times[name].append(time.perf_counter() - start)
+    return {name: min(values) for name, values in times.items()}
 
 
 def touch_pages(state_dict: dict[str, torch.Tensor]) -> None:
@@ -122,7 +133,7 @@ def main() -> None:
     parser.add_argument("--n-head", type=int, default=12)
     parser.add_argument("--vocab-size", type=int, default=50304)
     parser.add_argument("--block-size", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -145,35 +156,39 @@ def main() -> None:
     payload = memoryview(os.urandom(tensor_bytes))
     results: dict[str, float] = {}
     try:
-        results[DISK] = tensor_bytes / median_seconds(
-            lambda: write_plain(plain_path, payload), args.repeats)
+        saves = {
+            DISK: lambda: write_plain(plain_path, payload),
+            TORCH_SAVE: lambda: atomic_write(torch_path, lambda temporary: torch.save(state_dict, temporary)),
+            SAFETENSORS_SAVE: lambda: save_safetensors(state_dict, safetensors_path),
+        }
+        for name, seconds in best_of_interleaved(saves, args.rounds).items():
+            results[name] = tensor_bytes / seconds
         plain_path.unlink()
         del payload
-
-        results[TORCH_SAVE] = tensor_bytes / median_seconds(
-            lambda: atomic_write(torch_path, lambda temporary: torch.save(state_dict, temporary)), args.repeats)
-        results[SAFETENSORS_SAVE] = tensor_bytes / median_seconds(
-            lambda: save_safetensors(state_dict, safetensors_path), args.repeats)
         sizes = {"torch": torch_path.stat().st_size, "safetensors": safetensors_path.stat().st_size}
 
         # Every loader's tensors are touched once per page afterwards: a lazy (memory-mapped)
         # loader returns before reading, and its time would otherwise not include the disk.
         loads = {
-            "torch.load(weights_only=True)": (torch_path, lambda: touch_pages(
-                torch.load(torch_path, map_location="cpu", weights_only=True))),
-            "torch.load(weights_only=True, mmap=True)": (torch_path, lambda: touch_pages(
-                torch.load(torch_path, map_location="cpu", weights_only=True, mmap=True))),
-            "safetensors load_file": (safetensors_path, lambda: touch_pages(
-                safetensors.torch.load_file(safetensors_path))),
+            "torch.load(weights_only=True)": lambda: touch_pages(
+                torch.load(torch_path, map_location="cpu", weights_only=True)),
+            "torch.load(weights_only=True, mmap=True)": lambda: touch_pages(
+                torch.load(torch_path, map_location="cpu", weights_only=True, mmap=True)),
+            "safetensors load_file": lambda: touch_pages(safetensors.torch.load_file(safetensors_path)),
         }
+        files = {"torch.load(weights_only=True)": torch_path,
+                 "torch.load(weights_only=True, mmap=True)": torch_path,
+                 "safetensors load_file": safetensors_path}
+        fractions: dict[str, list[float]] = {name: [] for name in loads}
+        cold = best_of_interleaved(
+            loads, args.rounds, before=lambda name: fractions[name].append(drop_from_page_cache(files[name])))
+        warm = best_of_interleaved(loads, args.rounds)
         still_cached: dict[str, float] = {}
-        for name, (path, load) in loads.items():
-            fractions = []
-            results[f"{name}, cold"] = tensor_bytes / median_seconds(
-                load, args.repeats, before=lambda path=path: fractions.append(drop_from_page_cache(path)))
-            still_cached[name] = max(fractions)
-            results[f"{name}, warm (page cache)"] = tensor_bytes / median_seconds(load, args.repeats)
-            still_cached[f"{name} warm"] = resident_fraction(path)
+        for name in loads:
+            results[f"{name}, cold"] = tensor_bytes / cold[name]
+            results[f"{name}, warm (page cache)"] = tensor_bytes / warm[name]
+            still_cached[name] = max(fractions[name])
+            still_cached[f"{name} warm"] = resident_fraction(files[name])
         reloaded = read_safetensors(safetensors_path)
         assert all(torch.equal(reloaded[n], t) for n, t in state_dict.items()), "safetensors round trip differs"
     finally:
@@ -182,7 +197,7 @@ def main() -> None:
         folder.rmdir()
 
     print(f"file sizes: torch.save {sizes['torch'] / GB:.3f} GB, safetensors {sizes['safetensors'] / GB:.3f} GB")
-    print(f"median of {args.repeats} runs, GB/s of tensor data:")
+    print(f"best of {args.rounds} interleaved rounds, GB/s of tensor data:")
     width = max(map(len, results))
     for name, bandwidth in results.items():
         print(f"  {name:<{width}}  {bandwidth / GB:6.2f} GB/s")
