@@ -155,10 +155,11 @@ def test_truncated_checkpoint_is_refused_with_its_path(tmp_path):
     assert_same_tensors(snapshot(model), before)
 
 
-def test_empty_file_is_refused(tmp_path):
-    (tmp_path / "empty.pt").touch()
-    with pytest.raises(CheckpointError, match="empty"):
-        ckpt.load_weights(fresh_mlp(0), tmp_path / "empty.pt")
+def test_empty_file_is_refused_with_its_path(tmp_path):
+    path = tmp_path / "empty.pt"
+    path.touch()
+    with pytest.raises(CheckpointError, match=rf"{path}: the file is empty"):
+        ckpt.load_weights(fresh_mlp(0), path)
 
 
 def test_text_file_is_refused_as_another_kind(tmp_path):
@@ -170,7 +171,7 @@ def test_text_file_is_refused_as_another_kind(tmp_path):
 
 def test_safetensors_file_is_refused_by_the_torch_loader(tmp_path):
     path = ckpt.save_safetensors(fresh_mlp(0), tmp_path / "weights.safetensors")
-    with pytest.raises(CheckpointError, match="is a safetensors file"):
+    with pytest.raises(CheckpointError, match=rf"{path}: is a safetensors file"):
         ckpt.load_weights(fresh_mlp(1), path)
 
 
