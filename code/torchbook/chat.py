@@ -5,6 +5,9 @@ A chat record is ``{"messages": [{"role": "user", "content": ...},
 ``HuggingFaceH4/ultrachat_200k``. Fine-tuning learns only the assistant's
 words: every token of the template and of the user's turns gets the label
 ``IGNORE_INDEX`` (-100), which ``torch.nn.functional.cross_entropy`` skips.
+Labels sit on the same positions as ``input_ids`` (Hugging Face's convention);
+shift by one when computing the loss: ``x = input_ids[:, :-1]``,
+``y = labels[:, 1:]``.
 
 Two ways to batch examples of different lengths:
 
