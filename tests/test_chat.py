@@ -41,6 +41,11 @@ def test_unknown_role_is_refused_with_its_position():
         chat_example([MESSAGES[0], {"role": "system", "content": "x"}], char_encode)
 
 
+def test_rendering_refuses_an_unknown_role_with_its_position():
+    with pytest.raises(ValueError, match="message 1: role 'system'"):
+        render_chat([MESSAGES[0], {"role": "system", "content": "x"}])
+
+
 def test_padding_masks_attention_and_labels_of_the_pad_positions():
     examples = [chat_example(MESSAGES[:2], char_encode), chat_example(MESSAGES[2:], char_encode)]
     batch = PadCollate(pad_id=0)(examples)

@@ -41,11 +41,13 @@ class ChatTemplate:
 def render_chat(messages: Sequence[dict], template: ChatTemplate = ChatTemplate()) -> str:
     """The whole conversation as one string, as the model reads it."""
     parts = []
-    for turn in messages:
-        if turn["role"] == "user":
+    for number, turn in enumerate(messages):
+        if turn.get("role") == "user":
             parts.append(template.user + turn["content"] + "\n")
-        else:
+        elif turn.get("role") == "assistant":
             parts.append(template.assistant + turn["content"] + template.end)
+        else:
+            raise ValueError(f"message {number}: role {turn.get('role')!r}, expected one of {ROLES}")
     return "".join(parts)
 
 
