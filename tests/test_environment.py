@@ -37,3 +37,18 @@ def test_environment_yml_installs_this_package():
     environment = yaml.safe_load((ROOT / "environment.yml").read_text(encoding="utf-8"))
     pip_list = next(item["pip"] for item in environment["dependencies"] if isinstance(item, dict))
     assert "-e ." in pip_list
+
+
+def test_python_minimum_in_pyproject_matches_the_readme_and_this_interpreter():
+    # tomllib (3.11+) is imported above, so the stated minimum must be at least 3.11.
+    import re
+    import sys
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    match = re.fullmatch(r">=(\d+)\.(\d+)", project["requires-python"])
+    assert match, f"requires-python {project['requires-python']!r} is not of the form >=X.Y"
+    minimum = (int(match[1]), int(match[2]))
+    assert minimum >= (3, 11), f"the tests need tomllib (Python 3.11+), but pyproject allows {minimum}"
+    assert sys.version_info[:2] >= minimum
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"{minimum[0]}.{minimum[1]} or newer" in readme, "README.md states a different Python minimum"

@@ -1,0 +1,75 @@
+"""Write a file so that a crash at any moment leaves either the old file or the new one, whole.
+
+Every module of the book that writes something a later run trusts (a
+checkpoint, a token shard, a downloaded data set, a results file) goes through
+``atomic_write``. The recipe is the one databases use:
+
+1. write the content to a temporary file in the *same folder*, under a unique
+   name (``tempfile.mkstemp``), so two writers never share a temporary and a
+   rename never crosses file systems;
+2. ``fsync`` the temporary: its bytes are on the disk, not only in the page cache;
+3. ``os.replace`` it over the final name: atomic on POSIX and Windows;
+4. ``fsync`` the folder: the rename itself is on the disk.
+
+If ``write`` raises, or the process is killed, the final name still holds the
+previous content (or does not exist); only a hidden temporary can be left
+behind, and its name (``.<name>.tmp-XXXXXXXX``) never matches the final one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+# Temporaries are ".<final name>.tmp-<random>": hidden, and never mistaken for the final file.
+TEMPORARY_MARKER = ".tmp-"
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's (or a folder's) data and metadata to the disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def is_temporary(path: str | Path) -> bool:
+    """True for a temporary that ``atomic_write`` made (a leftover from an interrupted write)."""
+    name = Path(path).name
+    return name.startswith(".") and TEMPORARY_MARKER in name
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Call ``write(temporary)`` to fill a temporary file, then move it to ``path`` atomically.
+
+    Returns ``path``. On any error the temporary is removed and ``path`` is
+    left as it was; the error propagates unchanged, so the caller can add the
+    file's name to it.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{TEMPORARY_MARKER}")
+    os.close(handle)
+    temporary = Path(name)
+    try:
+        write(temporary)
+        fsync_path(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+    return path
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """``atomic_write`` for content already in memory."""
+    return atomic_write(path, lambda temporary: temporary.write_bytes(data))
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """``atomic_write`` for text, encoded as UTF-8."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
