@@ -106,6 +106,26 @@ class CheckpointSizes:
 
 
 @dataclass(frozen=True)
+class PitfallSizes:
+    """Chapter 8: the pitfalls and self-check demonstrations.
+
+    Each demonstration shows a behaviour, not a speed, so both profiles use the
+    same tiny sizes; only the device changes.
+    """
+
+    features: int = 16  # width of the small demonstration models
+    batch_size: int = 8
+    n_layer: int = 2  # hidden layers of the list-of-layers model
+    dropout: float = 0.1  # the GPT's dropout in the train/eval demonstration
+    vocab_size: int = 256  # byte-level vocabulary of that GPT
+    clip_steps: int = 30  # SGD steps of the clipping demonstration
+    spike_step: int = 10  # the step whose batch carries the outlier
+    spike_scale: float = 30.0  # the outlier batch's inputs are this many times larger
+    clip_lr: float = 0.05  # high for this problem: one outlier step throws the weights far
+    max_grad_norm: float = 20.0  # above every ordinary step's norm, far below the outlier's
+
+
+@dataclass(frozen=True)
 class Profile:
     """Device and run sizes for one profile. Chapters read these; none hard-codes its own."""
 
@@ -116,6 +136,7 @@ class Profile:
     lm: LanguageModelSizes = LanguageModelSizes()
     data: DataSizes = DataSizes()
     checkpoint: CheckpointSizes = CheckpointSizes()
+    pitfalls: PitfallSizes = PitfallSizes()
     seed: int = 1337
 
 
