@@ -9,7 +9,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 QUARTO_MIN := 1.9
 
-.PHONY: book test data setup clean
+.PHONY: book test data setup clean gpu-results
+
+# make gpu-results: every full-size result the book shows, as JSON with provenance in assets/results/.
+# Meant for a GPU machine; PROFILE=cpu writes the same files from the small sizes.
+PROFILE ?= gpu
+RESULTS_DIR ?= assets/results
 
 setup: $(STAMP)
 
@@ -36,6 +41,9 @@ book: data
 	  echo "make book needs Quarto $(QUARTO_MIN) or newer (books render their PDF with Typst from 1.9 on); found $$version."; \
 	  exit 1; fi
 	QUARTO_PYTHON=$(abspath $(PY)) quarto render
+
+gpu-results: data
+	QUARTO_PROFILE=$(PROFILE) $(PY) examples/gpu_results.py --out $(RESULTS_DIR)
 
 clean:
 	rm -rf _book .quarto .cache .pytest_cache

@@ -1,0 +1,132 @@
+"""A character-level language model on Tiny Shakespeare: the corpus, its batches, and one whole run.
+
+Chapter 3 trains this model live at the profile's sizes, and ``make
+gpu-results`` trains it at full size on a GPU; both go through
+``train_char_lm`` so the live run and the stored one are the same experiment.
+
+The vocabulary is the set of characters in the text (65 for Tiny
+Shakespeare). The first 90% of the text trains, the rest validates. Training
+batches are random windows of ``block_size + 1`` characters drawn from a
+seeded generator (the input is the first ``block_size``, the target the same
+window shifted by one); validation uses fixed windows from its own seed, so
+every evaluation scores the same text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from torchbook.models import GPT, GPTConfig
+from torchbook.profile import LanguageModelSizes
+from torchbook.train import Trainer, TrainConfig
+
+VALIDATION_FRACTION = 0.1  # the last 10% of the text
+PRECISIONS = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class CharCorpus:
+    """A text as character ids, split into training and validation ids."""
+
+    text: str
+    vocabulary: list[str]  # id -> character, sorted
+    train_tokens: Tensor  # int64 ids of the first (1 - VALIDATION_FRACTION) of the text
+    val_tokens: Tensor
+
+    @property
+    def char_to_id(self) -> dict[str, int]:
+        return {char: index for index, char in enumerate(self.vocabulary)}
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.vocabulary[i] for i in ids)
+
+
+def load_corpus(path: str | Path) -> CharCorpus:
+    """Read a UTF-8 text and encode it character by character."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if len(text) < 2:
+        raise ValueError(f"{path}: a character corpus needs text to train and validate on; the file is empty")
+    vocabulary = sorted(set(text))
+    lookup = {char: index for index, char in enumerate(vocabulary)}
+    ids = torch.tensor([lookup[char] for char in text], dtype=torch.int64)
+    split_at = int(len(ids) * (1 - VALIDATION_FRACTION))
+    return CharCorpus(text=text, vocabulary=vocabulary, train_tokens=ids[:split_at], val_tokens=ids[split_at:])
+
+
+def unigram_baseline(corpus: CharCorpus) -> float:
+    """Validation loss (nats per character) of predicting each character by its training frequency."""
+    counts = torch.bincount(corpus.train_tokens, minlength=len(corpus.vocabulary)).double()
+    log_probs = (counts / counts.sum()).log()
+    return -log_probs[corpus.val_tokens].mean().item()
+
+
+def random_blocks(source: Tensor, block_size: int, batch_size: int,
+                  generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor]]:
+    """Endless (x, y) batches of random windows of ``source``; y is x shifted one position left."""
+    if len(source) <= block_size + 1:
+        raise ValueError(f"random_blocks: {len(source)} tokens cannot hold a window of block_size + 1 = "
+                         f"{block_size + 1}")
+    offsets = torch.arange(block_size + 1)
+    while True:
+        starts = torch.randint(0, len(source) - block_size - 1, (batch_size, 1), generator=generator)
+        window = source[starts + offsets]  # (batch_size, block_size + 1)
+        yield window[:, :-1], window[:, 1:]
+
+
+def fixed_batches(source: Tensor, block_size: int, batch_size: int, count: int,
+                  seed: int) -> list[tuple[Tensor, Tensor]]:
+    """``count`` batches of windows drawn once from ``seed``: the same text at every evaluation."""
+    batches = random_blocks(source, block_size, batch_size, torch.Generator().manual_seed(seed))
+    return [next(batches) for _ in range(count)]
+
+
+def build(corpus: CharCorpus, sizes: LanguageModelSizes, device: torch.device,
+          autocast_dtype: torch.dtype | None, seed: int) -> Trainer:
+    """The GPT and its Trainer at ``sizes``; the model's initialisation is drawn from ``seed``."""
+    config = GPTConfig(vocab_size=len(corpus.vocabulary), block_size=sizes.block_size, n_layer=sizes.n_layer,
+                       n_head=sizes.n_head, d_model=sizes.d_model, dropout=sizes.dropout)
+    torch.manual_seed(seed)
+    model = GPT(config).to(device)
+    train_config = TrainConfig(max_steps=sizes.max_steps, lr=sizes.lr, min_lr=sizes.min_lr,
+                               warmup_steps=sizes.warmup_steps, precision=PRECISIONS[autocast_dtype],
+                               eval_every=sizes.eval_every, log_every=sizes.log_every)
+    return Trainer(model, train_config, device)
+
+
+@dataclass
+class CharLMRun:
+    """What one run leaves: the trainer (model, history) and its wall time."""
+
+    trainer: Trainer
+    train_seconds: float
+
+
+def train_char_lm(corpus: CharCorpus, sizes: LanguageModelSizes, device: torch.device,
+                  autocast_dtype: torch.dtype | None, seed: int) -> CharLMRun:
+    """Build the model at ``sizes`` and train it with validation every ``eval_every`` steps."""
+    trainer = build(corpus, sizes, device, autocast_dtype, seed)
+    validation = fixed_batches(corpus.val_tokens, sizes.block_size, sizes.batch_size, sizes.eval_batches, seed + 1)
+    batches = random_blocks(corpus.train_tokens, sizes.block_size, sizes.batch_size,
+                            torch.Generator().manual_seed(seed))
+    started = time.perf_counter()
+    trainer.fit(batches, lambda: validation)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return CharLMRun(trainer=trainer, train_seconds=time.perf_counter() - started)
+
+
+def history_series(history: list[dict]) -> dict[str, dict[str, list[float]]]:
+    """A Trainer history as the columns of a results file: every logged row, and the rows with ``val_loss``."""
+    train_keys = ("step", "loss", "lr", "grad_norm", "tokens_per_second")
+    train = {key: [float(row[key]) for row in history] for key in train_keys}
+    evaluated = [row for row in history if "val_loss" in row]
+    val = {"step": [float(row["step"]) for row in evaluated], "loss": [float(row["val_loss"]) for row in evaluated]}
+    return {"train": train, "val": val}
+

@@ -1,0 +1,245 @@
+"""Results of full-size runs as small JSON files with their provenance.
+
+A lent GPU machine has no Quarto, and Quarto's ``_freeze`` folder knows neither
+the profile nor the code a result came from. So the runs whose full-size
+results the book shows (``make gpu-results``) write one JSON file each, and the
+chapters plot those files beside their live CPU run.
+
+A file holds the run's name and profile, its history (named series of
+columns, each a list of numbers), its
+final metrics, and a ``provenance`` record: device name and compute
+capability, CUDA and torch versions, date, git commit, and the SHA-256 of each
+source file the run depends on. ``stale_sources`` compares those hashes with
+the files as they are now, so a figure can say "made before train.py changed".
+
+Reading validates the whole structure first and raises ``ResultsError`` naming
+the file and the field, so a truncated, hand-edited or foreign JSON file is
+refused rather than half-plotted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import platform
+import subprocess
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchbook.files import atomic_write_text
+
+RESULTS_FORMAT = "torchbook.results"
+RESULTS_VERSION = 1
+PROVENANCE_FIELDS = {
+    "device": str,  # "cuda", "mps" or "cpu"
+    "device_name": str,  # "NVIDIA H200", or the CPU's description
+    "device_capability": str,  # "9.0" on Hopper; "" off CUDA
+    "cuda_version": str,  # torch.version.cuda, "" off CUDA
+    "torch_version": str,
+    "python_version": str,
+    "date": str,  # ISO 8601, UTC
+    "git_commit": str,  # "" outside a git checkout
+    "wall_seconds": float,  # the run's own time
+    "sources": dict,  # repository-relative path -> SHA-256 of the file the run depends on
+}
+
+
+class ResultsError(ValueError):
+    """A results file is missing, malformed or of another kind; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One validated results file."""
+
+    path: Path
+    run: str
+    profile: str
+    metrics: dict[str, float]
+    history: dict[str, dict[str, list[float]]]  # series -> column -> values, e.g. history["val"]["loss"]
+    provenance: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        """How a caption names where and when the result was made: ``NVIDIA H200, 2026-12-03``."""
+        return f"{self.provenance['device_name']}, {self.provenance['date'][:10]}"
+
+
+def sha256_of_file(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def source_hashes(root: str | Path, sources: Iterable[str]) -> dict[str, str]:
+    """SHA-256 of each repository-relative source path below ``root``."""
+    root = Path(root)
+    hashes = {}
+    for name in sorted(sources):
+        path = root / name
+        if not path.is_file():
+            raise ResultsError(f"{path}: a run depends on this source file, and it does not exist")
+        hashes[name] = sha256_of_file(path)
+    return hashes
+
+
+def git_commit(root: str | Path) -> str:
+    """The checked-out commit of the repository at ``root``, or "" when there is none."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def describe_device(device: torch.device) -> tuple[str, str, str]:
+    """(device name, compute capability, CUDA version) as strings for the provenance record."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return torch.cuda.get_device_name(device), f"{major}.{minor}", torch.version.cuda or ""
+    if device.type == "mps":
+        return f"Apple MPS ({platform.machine()})", "", ""
+    return f"CPU {platform.machine()} ({torch.get_num_threads()} threads)", "", ""
+
+
+def make_provenance(device: torch.device, root: str | Path, sources: Iterable[str],
+                    wall_seconds: float) -> dict[str, Any]:
+    """The provenance record of a run made now, on ``device``, from the sources below ``root``."""
+    name, capability, cuda = describe_device(torch.device(device))
+    return {
+        "device": torch.device(device).type,
+        "device_name": name,
+        "device_capability": capability,
+        "cuda_version": cuda,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(root),
+        "wall_seconds": float(wall_seconds),
+        "sources": source_hashes(root, sources),
+    }
+
+
+def write_result(path: str | Path, run: str, profile: str, metrics: Mapping[str, float],
+                 history: Mapping[str, Mapping[str, Iterable[float]]], provenance: Mapping[str, Any]) -> Path:
+    """Write one run's results atomically as JSON, after checking they would read back.
+
+    ``history`` maps a series name ("train", "val", "adamw", ...) to its columns
+    ("step", "loss", ...), each a list with one number per row.
+    """
+    path = Path(path)
+    document = {
+        "format": RESULTS_FORMAT,
+        "version": RESULTS_VERSION,
+        "run": run,
+        "profile": profile,
+        "metrics": {key: float(value) for key, value in metrics.items()},
+        "history": {series: {key: [float(value) for value in values] for key, values in columns.items()}
+                    for series, columns in history.items()},
+        "provenance": dict(provenance),
+    }
+    _validate(document, path)  # refuse to write what read_result would refuse
+    return atomic_write_text(path, json.dumps(document, indent=1, allow_nan=False) + "\n")
+
+
+def _numbers(value: Any, where: str, path: Path) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ResultsError(f"{path}: {where} must be a finite number, got {value!r}")
+
+
+def _validate(document: Any, path: Path) -> None:
+    """Raise ResultsError unless ``document`` is a complete results record."""
+    if not isinstance(document, dict):
+        raise ResultsError(f"{path}: expected a JSON object, got {type(document).__name__}")
+    if document.get("format") != RESULTS_FORMAT:
+        raise ResultsError(f"{path}: 'format' is {document.get('format')!r}, expected {RESULTS_FORMAT!r}; "
+                           "not a results file of this book")
+    if document.get("version") != RESULTS_VERSION:
+        raise ResultsError(f"{path}: 'version' is {document.get('version')!r}, expected {RESULTS_VERSION}")
+    for key in ("run", "profile"):
+        if not isinstance(document.get(key), str) or not document[key]:
+            raise ResultsError(f"{path}: {key!r} must be a non-empty string, got {document.get(key)!r}")
+    metrics, history = document.get("metrics"), document.get("history")
+    if not isinstance(metrics, dict):
+        raise ResultsError(f"{path}: 'metrics' must be an object, got {type(metrics).__name__}")
+    for key, value in metrics.items():
+        _numbers(value, f"metrics[{key!r}]", path)
+    if not isinstance(history, dict):
+        raise ResultsError(f"{path}: 'history' must be an object of series, got {type(history).__name__}")
+    for series, columns in history.items():
+        if not isinstance(columns, dict) or not columns:
+            raise ResultsError(f"{path}: history[{series!r}] must be a non-empty object of columns")
+        lengths = set()
+        for key, values in columns.items():
+            if not isinstance(values, list):
+                raise ResultsError(f"{path}: history[{series!r}][{key!r}] must be a list, "
+                                   f"got {type(values).__name__}")
+            for index, value in enumerate(values):
+                _numbers(value, f"history[{series!r}][{key!r}][{index}]", path)
+            lengths.add(len(values))
+        if len(lengths) > 1:
+            raise ResultsError(f"{path}: the columns of history[{series!r}] have different lengths "
+                               f"{sorted(lengths)}; each column must hold one value per row")
+    provenance = document.get("provenance")
+    if not isinstance(provenance, dict):
+        raise ResultsError(f"{path}: 'provenance' must be an object, got {type(provenance).__name__}")
+    for key, kind in PROVENANCE_FIELDS.items():
+        value = provenance.get(key)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind):
+            raise ResultsError(f"{path}: provenance[{key!r}] must be {kind.__name__}, got {value!r}")
+    for name, digest in provenance["sources"].items():
+        if not isinstance(digest, str) or len(digest) != 64:
+            raise ResultsError(f"{path}: provenance['sources'][{name!r}] must be a SHA-256 hex digest")
+
+
+def read_result(path: str | Path) -> RunResult:
+    """Read and validate one results file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ResultsError(f"{path}: no such results file") from None
+    except UnicodeDecodeError as error:
+        raise ResultsError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ResultsError(f"{path}: not valid JSON ({error.msg} at line {error.lineno}); "
+                           "was the write interrupted or the file edited by hand?") from None
+    _validate(document, path)
+    return RunResult(path=path, run=document["run"], profile=document["profile"], metrics=document["metrics"],
+                     history=document["history"], provenance=document["provenance"])
+
+
+def find_results(folder: str | Path, run: str) -> list[RunResult]:
+    """Every results file in ``folder`` for ``run`` (``<run>-*.json``), newest first; [] if none."""
+    folder = Path(folder)
+    found = [read_result(path) for path in sorted(folder.glob(f"{run}-*.json"))]
+    return sorted(found, key=lambda result: result.provenance["date"], reverse=True)
+
+
+def stale_sources(result: RunResult, root: str | Path) -> list[str]:
+    """The source files the result depends on that changed (or vanished) since it was made."""
+    root = Path(root)
+    changed = []
+    for name, digest in result.provenance["sources"].items():
+        path = root / name
+        if not path.is_file() or sha256_of_file(path) != digest:
+            changed.append(name)
+    return changed
+
+
+def staleness_note(result: RunResult, root: str | Path) -> str | None:
+    """A sentence for the figure when the code changed since the result was made, else None."""
+    changed = stale_sources(result, root)
+    if not changed:
+        return None
+    return (f"Made on {result.provenance['date'][:10]} from code that has changed since: "
+            f"{', '.join(changed)}. Run `make gpu-results` to refresh it.")

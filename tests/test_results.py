@@ -1,0 +1,147 @@
+"""Results files of full-size runs: format, refusal of bad files, staleness, and the command that writes them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchbook.results import (
+    ResultsError,
+    find_results,
+    make_provenance,
+    read_result,
+    stale_sources,
+    staleness_note,
+    write_result,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def sources(tmp_path: Path) -> Path:
+    """A tiny repository with two source files a run depends on."""
+    root = tmp_path / "repo"
+    (root / "code").mkdir(parents=True)
+    (root / "code" / "model.py").write_text("LAYERS = 2\n")
+    (root / "code" / "train.py").write_text("LR = 3e-4\n")
+    return root
+
+
+def write_example(folder: Path, root: Path, name: str = "lm-cpu.json") -> Path:
+    provenance = make_provenance(torch.device("cpu"), root, ["code/model.py", "code/train.py"], wall_seconds=1.5)
+    history = {"train": {"step": [1, 2, 3], "loss": [4.0, 3.0, 2.5]}, "val": {"step": [3], "loss": [2.7]}}
+    return write_result(folder / name, "lm", "cpu", {"final_val_loss": 2.7}, history, provenance)
+
+
+def test_a_written_result_reads_back_with_its_history_and_provenance(tmp_path, sources):
+    path = write_example(tmp_path, sources)
+    result = read_result(path)
+    assert result.run == "lm" and result.profile == "cpu"
+    assert result.history["train"]["loss"] == [4.0, 3.0, 2.5]
+    assert result.metrics == {"final_val_loss": 2.7}
+    assert result.provenance["torch_version"] == torch.__version__
+    assert result.provenance["wall_seconds"] == 1.5
+    assert set(result.provenance["sources"]) == {"code/model.py", "code/train.py"}
+    assert result.label.startswith("CPU ")
+
+
+def test_find_results_returns_every_file_of_one_run(tmp_path, sources):
+    write_example(tmp_path, sources, "lm-cpu.json")
+    write_example(tmp_path, sources, "lm-gpu.json")
+    write_example(tmp_path, sources, "lab-cpu.json")  # another run's name: not returned
+    assert sorted(result.path.name for result in find_results(tmp_path, "lm")) == ["lm-cpu.json", "lm-gpu.json"]
+    assert find_results(tmp_path / "absent", "lm") == []
+
+
+def test_a_result_is_fresh_until_a_source_it_depends_on_changes(tmp_path, sources):
+    result = read_result(write_example(tmp_path, sources))
+    assert stale_sources(result, sources) == []
+    assert staleness_note(result, sources) is None
+    (sources / "code" / "train.py").write_text("LR = 1e-3\n")
+    assert stale_sources(result, sources) == ["code/train.py"]
+    note = staleness_note(result, sources)
+    assert note is not None and "code/train.py" in note and "code/model.py" not in note
+
+
+def test_a_deleted_source_makes_the_result_stale(tmp_path, sources):
+    result = read_result(write_example(tmp_path, sources))
+    (sources / "code" / "model.py").unlink()
+    assert stale_sources(result, sources) == ["code/model.py"]
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b'{"format": "torchbook.results", "vers', "not valid JSON"),
+        (b"\xff\xfe not utf-8", "not UTF-8"),
+        (b'{"model.embed.weight": [1, 2]}', "not a results file of this book"),
+        (b"[1, 2, 3]", "expected a JSON object"),
+    ],
+)
+def test_a_truncated_or_foreign_file_is_refused_with_its_name(tmp_path, content, expected):
+    path = tmp_path / "lm-gpu.json"
+    path.write_bytes(content)
+    with pytest.raises(ResultsError, match=expected) as caught:
+        read_result(path)
+    assert str(path) in str(caught.value)
+
+
+def edited(path: Path, change) -> Path:
+    document = json.loads(path.read_text())
+    change(document)
+    path.write_text(json.dumps(document))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda d: d.update(version=99), "'version'"),
+        (lambda d: d.update(run=""), "'run'"),
+        (lambda d: d["metrics"].update(final_val_loss="2.7"), "metrics['final_val_loss']"),
+        (lambda d: d["history"]["train"].update(loss=[4.0, 3.0]), "history['train']"),
+        (lambda d: d["history"].update(val=[2.7]), "history['val']"),
+        (lambda d: d["provenance"].pop("device_name"), "provenance['device_name']"),
+        (lambda d: d["provenance"]["sources"].update({"code/model.py": "abc"}), "SHA-256"),
+    ],
+)
+def test_a_malformed_field_is_refused_naming_the_file_and_the_field(tmp_path, sources, change, field):
+    path = edited(write_example(tmp_path, sources), change)
+    with pytest.raises(ResultsError) as caught:
+        read_result(path)
+    assert str(path) in str(caught.value) and field in str(caught.value)
+
+
+def test_write_result_refuses_what_could_not_be_read_back_and_leaves_no_file(tmp_path, sources):
+    provenance = make_provenance(torch.device("cpu"), sources, ["code/model.py"], wall_seconds=1.0)
+    out = tmp_path / "results"
+    with pytest.raises(ResultsError, match="finite number"):
+        write_result(out / "lm-cpu.json", "lm", "cpu", {"loss": float("nan")}, {}, provenance)
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_provenance_refuses_a_source_that_does_not_exist(sources):
+    with pytest.raises(ResultsError, match="does not exist"):
+        make_provenance(torch.device("cpu"), sources, ["code/missing.py"], wall_seconds=1.0)
+
+
+@pytest.mark.slow
+def test_the_cpu_profile_run_of_the_command_writes_a_results_file_the_book_reads(tmp_path):
+    environment = {**os.environ, "QUARTO_PROFILE": "cpu"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "gpu_results.py"), "--out", str(tmp_path), "--max-steps", "4"],
+        cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    [result] = find_results(tmp_path, "lm")
+    assert result.profile == "cpu" and result.metrics["steps"] == 4
+    assert result.history["val"]["step"] == [4.0]
+    assert stale_sources(result, ROOT) == []  # made from the code as it is now
+    assert result.provenance["git_commit"] != ""
