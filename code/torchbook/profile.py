@@ -126,6 +126,30 @@ class PitfallSizes:
 
 
 @dataclass(frozen=True)
+class LabSizes:
+    """Chapter 7: the lab's MLP on MNIST, its seven drills and its loader measurements.
+
+    MNIST is small enough that both profiles train the same model the same
+    number of epochs; only the device and precision change.
+    """
+
+    hidden: tuple[int, ...] = (256, 128)  # the 784-256-128-10 MLP
+    batch_size: int = 128
+    epochs: int = 3  # the drill's limit
+    lr: float = 2e-3  # AdamW's peak rate, cosine-decayed to min_lr over the run
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    sgd_lr: float = 0.05  # SGD with momentum 0.9 (drill 3)
+    target_accuracy: float = 0.97
+    micro_batch_size: int = 32  # drill 4: accum_steps micro-batches of this size
+    accum_steps: int = 4
+    equivalence_steps: int = 20  # drill 4: optimizer steps compared update by update
+    loader_batches: int = 50  # batches timed per DataLoader measurement
+    slow_item_s: float = 0.0005  # per-image delay of the starved-loader demonstration
+    loader_workers: int = 2  # this machine has 2 cores
+
+
+@dataclass(frozen=True)
 class Profile:
     """Device and run sizes for one profile. Chapters read these; none hard-codes its own."""
 
@@ -137,6 +161,7 @@ class Profile:
     data: DataSizes = DataSizes()
     checkpoint: CheckpointSizes = CheckpointSizes()
     pitfalls: PitfallSizes = PitfallSizes()
+    lab: LabSizes = LabSizes()
     seed: int = 1337
 
 
