@@ -1,10 +1,18 @@
-"""MNIST two ways: torchvision's dataset through a DataLoader, and the whole set as resident tensors.
+"""MNIST two ways: a ``Dataset`` of PIL images for a ``DataLoader``, and the whole set as resident tensors.
 
-MNIST is 60,000 images of 28x28 bytes, 47 MB as bytes: it fits in memory many
-times over. Decoding each image into a PIL image and back into a tensor on
-every epoch (what ``torchvision.datasets.MNIST`` with ``ToTensor`` does) costs
-far more than the model on it; keeping the normalized tensors resident and
-indexing a shuffled permutation makes an epoch a handful of tensor ops.
+MNIST is 60,000 training and 10,000 test images of 28x28 bytes, 55 MB as
+bytes: it fits in memory many times over. Decoding each image into a PIL image
+and back into a tensor on every epoch (what a ``DataLoader`` with ``ToTensor``
+does) costs far more than a small model on it; keeping the normalized tensors
+resident and indexing a shuffled permutation makes an epoch a handful of
+tensor ops.
+
+Both read only the four published files in ``<root>/MNIST/raw`` (pass
+``torchbook.cache.mnist_root()``, which checks their SHA-256 first). Unlike
+``torchvision.datasets.MNIST``, nothing here looks at ``MNIST/processed/``: a
+pickled ``training.pt`` found there has been verified by nobody, so it is
+never read. A raw file whose header or size is not MNIST's is refused with an
+error naming the file.
 
 Also here, so DataLoader workers can pickle them under ``spawn``: transforms
 used in the book's DataLoader demonstrations.
@@ -14,25 +22,105 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
+import numpy as np
 import torch
-from torchvision import datasets
+from PIL import Image
+from torch.utils.data import Dataset
 
 MNIST_MEAN = 0.1307  # mean pixel of the training images, scaled to [0, 1]
 MNIST_STD = 0.3081
+IMAGE_SIDE = 28
+NUM_CLASSES = 10
+# The published files: (images, labels, number of examples) per split.
+RAW_FILES = {
+    True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", 60_000),
+    False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte", 10_000),
+}
+IDX_UBYTE = 0x08  # the IDX type code for unsigned bytes
 
 
-def mnist_dataset(root: Path | str, train: bool, transform=None) -> datasets.MNIST:
-    """torchvision's MNIST from ``root`` (which holds ``MNIST/raw``); never downloads."""
-    return datasets.MNIST(root=str(root), train=train, transform=transform, download=False)
+class MnistFormatError(ValueError):
+    """A raw MNIST file is missing, truncated or not in the IDX format MNIST uses."""
+
+
+def read_idx(path: Path, expected_shape: tuple[int, ...]) -> torch.Tensor:
+    """Read an IDX file of unsigned bytes (MNIST's format) whose shape must be ``expected_shape``.
+
+    The header is a 4-byte magic number (two zero bytes, the type code 0x08
+    and the number of dimensions), then each dimension as a big-endian int32,
+    then the bytes themselves.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MnistFormatError(f"{path}: missing; expected the published MNIST file there")
+    data = path.read_bytes()
+    ndim = len(expected_shape)
+    header_bytes = 4 + 4 * ndim
+    if len(data) < header_bytes:
+        raise MnistFormatError(f"{path}: {len(data)} bytes, shorter than an IDX header of {header_bytes}")
+    magic = data[:4]
+    if magic != bytes([0, 0, IDX_UBYTE, ndim]):
+        raise MnistFormatError(
+            f"{path}: magic number {magic.hex()}, expected {bytes([0, 0, IDX_UBYTE, ndim]).hex()} "
+            f"(unsigned bytes, {ndim} dimensions)"
+        )
+    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    if shape != expected_shape:
+        raise MnistFormatError(f"{path}: header says shape {shape}, expected {expected_shape}")
+    expected_bytes = header_bytes + int(np.prod(shape))
+    if len(data) != expected_bytes:
+        raise MnistFormatError(
+            f"{path}: {len(data):,} bytes, expected {expected_bytes:,} for shape {shape}; "
+            "was the file truncated?"
+        )
+    array = np.frombuffer(data, dtype=np.uint8, offset=header_bytes).reshape(shape)
+    return torch.from_numpy(array.copy())
+
+
+def read_mnist(root: Path | str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images as uint8 ``(N, 28, 28)`` and labels as int64 ``(N,)`` from ``<root>/MNIST/raw``."""
+    images_name, labels_name, count = RAW_FILES[bool(train)]
+    raw = Path(root) / "MNIST" / "raw"
+    images = read_idx(raw / images_name, (count, IMAGE_SIDE, IMAGE_SIDE))
+    labels = read_idx(raw / labels_name, (count,)).long()
+    if labels.max().item() >= NUM_CLASSES:
+        raise MnistFormatError(f"{raw / labels_name}: a label is {labels.max().item()}, expected 0-9")
+    return images, labels
+
+
+class MnistImages(Dataset):
+    """MNIST as torchvision serves it: item ``i`` is ``(PIL image, int label)``, after ``transform``.
+
+    ``data`` (uint8) and ``targets`` (int64) hold the whole split, as in
+    torchvision's class, for code that wants the tensors.
+    """
+
+    def __init__(self, root: Path | str, train: bool, transform: Callable | None = None) -> None:
+        self.data, self.targets = read_mnist(root, train)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        image = Image.fromarray(self.data[index].numpy())  # uint8 (28, 28): a greyscale "L" image
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, int(self.targets[index])
+
+
+def mnist_dataset(root: Path | str, train: bool, transform: Callable | None = None) -> MnistImages:
+    """MNIST from the raw files under ``root`` (which holds ``MNIST/raw``); never downloads."""
+    return MnistImages(root, train, transform)
 
 
 def resident_mnist(root: Path | str, train: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """All images as normalized float32 ``(N, 1, 28, 28)`` and labels as int64 ``(N,)``, on ``device``."""
-    raw = mnist_dataset(root, train)
-    images = (raw.data.to(device=device, dtype=torch.float32).div_(255) - MNIST_MEAN) / MNIST_STD
-    return images.unsqueeze(1), raw.targets.to(device=device, dtype=torch.long)
+    images, labels = read_mnist(root, train)
+    images = (images.to(device=device, dtype=torch.float32).div_(255) - MNIST_MEAN) / MNIST_STD
+    return images.unsqueeze(1), labels.to(device)
 
 
 def resident_batches(
