@@ -86,3 +86,62 @@ def test_collate_output_trains_only_on_answers():
     keep = labels.flatten() != IGNORE_INDEX
     by_hand = -logits.flatten(0, 1)[keep].log_softmax(-1).gather(1, labels.flatten()[keep, None]).mean()
     torch.testing.assert_close(loss, by_hand)  # same float32 ops, default tolerance is ample
+
+
+# -- the Hugging Face form: PreTrainedTokenizerFast and apply_chat_template ----------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from torchbook.tokenizer import train_bpe
+
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 30)
+    return train_bpe([path], vocab_size=300)
+
+
+CONVERSATION = [
+    {"role": "user", "content": "What's {{ this }}?\n"},  # quotes, braces and a newline pass through unchanged
+    {"role": "assistant", "content": "A 'test'."},
+    {"role": "user", "content": "Again"},
+    {"role": "assistant", "content": "Yes"},
+]
+
+
+def test_apply_chat_template_renders_what_render_chat_renders(trained):
+    from torchbook.hf import hf_tokenizer
+
+    wrapped = hf_tokenizer(trained)
+    assert wrapped.apply_chat_template(CONVERSATION, tokenize=False) == render_chat(CONVERSATION)
+
+
+def test_apply_chat_template_ids_are_the_book_tokenizers_ids(trained):
+    from torchbook.hf import hf_tokenizer
+
+    ids = hf_tokenizer(trained).apply_chat_template(CONVERSATION, tokenize=True)["input_ids"]
+    assert ids == trained.encode(render_chat(CONVERSATION)).ids
+
+
+def test_generation_prompt_ends_with_the_assistant_marker(trained):
+    from torchbook.hf import hf_tokenizer
+
+    text = hf_tokenizer(trained).apply_chat_template(CONVERSATION[:1], tokenize=False, add_generation_prompt=True)
+    assert text == render_chat(CONVERSATION[:1]) + ChatTemplate().assistant
+
+
+def test_chat_template_refuses_an_unknown_role(trained):
+    from jinja2.exceptions import TemplateError
+
+    from torchbook.hf import hf_tokenizer
+
+    with pytest.raises(TemplateError, match="message 1: role system"):
+        hf_tokenizer(trained).apply_chat_template([CONVERSATION[0], {"role": "system", "content": "x"}], tokenize=False)
+
+
+def test_wrapping_a_tokenizer_without_the_chat_tokens_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    from torchbook.hf import hf_tokenizer
+
+    with pytest.raises(ValueError, match="lacks the special token"):
+        hf_tokenizer(Tokenizer(models.BPE()))

@@ -12,13 +12,17 @@ import torch
 from torch.utils.data import DataLoader
 
 import torchbook.data as data
+import torchbook.files as files
 from torchbook.data import (
     ShardError,
     StreamConfig,
     TokenDataset,
     TokenStream,
+    cached_shards,
+    index_path,
     open_shard,
     read_header,
+    read_shards,
     sidecar_path,
     write_shard,
     write_shards,
@@ -38,19 +42,29 @@ def read_all(stream, worker=None, monkeypatch=None):
     return list(stream)
 
 
-# -- the seed TokenDataset ------------------------------------------------------
+# -- the tutorial TokenDataset ---------------------------------------------------
 
 
-def test_seed_dataset_item_is_the_slice_and_its_shift():
-    tokens = list(range(100, 150))
+def test_tutorial_dataset_items_are_non_overlapping_blocks_and_their_shift():
+    tokens = list(range(100, 150))  # 50 tokens: (50 - 1) // 8 = 6 blocks
     dataset = TokenDataset(tokens, block_size=8)
+    assert len(dataset) == 6
     x, y = dataset[5]
-    assert x.tolist() == tokens[5:13]
-    assert y.tolist() == tokens[6:14]
-    assert len(dataset) == len(tokens) - 8
+    assert x.tolist() == tokens[40:48]
+    assert y.tolist() == tokens[41:49]
 
 
-def test_seed_dataset_refuses_block_longer_than_data():
+def test_tutorial_dataset_blocks_are_the_streams_blocks_in_file_order(tmp_path):
+    tokens = np.random.default_rng(1).integers(0, 500, 1_000)
+    shard = write_shard(tmp_path / "s.bin", tokens, vocab_size=500, tokenizer="t")
+    stream = TokenStream([shard], StreamConfig(block_size=16, batch_size=1, shuffle=False))
+    dataset = TokenDataset(tokens.tolist(), block_size=16)
+    assert len(dataset) == stream.num_blocks
+    for (x, y), (sx, sy) in zip((dataset[i] for i in range(len(dataset))), stream):
+        assert torch.equal(x, sx[0]) and torch.equal(y, sy[0])
+
+
+def test_tutorial_dataset_refuses_block_longer_than_data():
     with pytest.raises(ShardError, match="block_size=10 needs at least 11 tokens"):
         TokenDataset(list(range(10)), block_size=10)
 
@@ -143,6 +157,130 @@ def test_shards_of_another_tokenizer_are_refused_naming_the_odd_one(tmp_path):
     other = write_shard(tmp_path / "b.bin", np.arange(100), vocab_size=256, tokenizer="bytes")
     with pytest.raises(ShardError, match=r"b\.bin: ids from tokenizer 'bytes' with 256 ids, but a\.bin has 'bpe-100'"):
         TokenStream([first, other], StreamConfig(block_size=8, batch_size=1))
+
+
+def sidecar_with(path, **changes):
+    """Rewrite the sidecar of ``path`` with some fields changed."""
+    meta = sidecar_path(path)
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), **changes}))
+    return meta
+
+
+@pytest.mark.parametrize("field, value", [("num_tokens", "100"), ("num_tokens", 100.0), ("vocab_size", None),
+                                          ("vocab_size", True), ("tokenizer", 7), ("dtype", ["uint16"])])
+def test_sidecar_field_of_the_wrong_type_is_refused_naming_file_and_field(tmp_path, field, value):
+    path = write_shard(tmp_path / "s.bin", np.arange(100), vocab_size=100, tokenizer="t")
+    sidecar_with(path, **{field: value})
+    with pytest.raises(ShardError, match=rf"s\.json: field '{field}' is .*; expected (int|str)"):
+        open_shard(path)
+
+
+def test_sidecar_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    path = write_shard(tmp_path / "s.bin", np.arange(100), vocab_size=100, tokenizer="t")
+    sidecar_path(path).write_bytes(b'{"tokenizer": "\xff\xfe"}')
+    with pytest.raises(ShardError, match=r"s\.json: not UTF-8 text"):
+        open_shard(path)
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", "null"])
+def test_sidecar_that_is_not_a_json_object_is_refused_naming_it(tmp_path, content):
+    path = write_shard(tmp_path / "s.bin", np.arange(100), vocab_size=100, tokenizer="t")
+    sidecar_path(path).write_text(content)
+    with pytest.raises(ShardError, match=r"s\.json: (not JSON|holds a JSON)"):
+        open_shard(path)
+
+
+def test_sidecar_missing_a_field_is_refused_naming_it(tmp_path):
+    path = write_shard(tmp_path / "s.bin", np.arange(100), vocab_size=100, tokenizer="t")
+    meta = sidecar_path(path)
+    header = json.loads(meta.read_text())
+    del header["num_tokens"]
+    meta.write_text(json.dumps(header))
+    with pytest.raises(ShardError, match=r"s\.json: field 'num_tokens' is missing"):
+        open_shard(path)
+
+
+def test_zero_token_shard_is_refused_when_read(tmp_path):
+    path = write_shard(tmp_path / "s.bin", np.arange(100), vocab_size=100, tokenizer="t")
+    path.write_bytes(b"")
+    sidecar_with(path, num_tokens=0)
+    with pytest.raises(ShardError, match=r"s\.json: field 'num_tokens' is 0; a shard holds at least one token"):
+        open_shard(path)
+
+
+def test_empty_token_list_is_refused_before_writing(tmp_path):
+    with pytest.raises(ShardError, match=r"s\.bin: expected a non-empty 1-D sequence"):
+        write_shard(tmp_path / "s.bin", [], vocab_size=10, tokenizer="t")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_shard_fsyncs_unique_temporaries_and_the_folder(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = files.fsync_path
+    monkeypatch.setattr(files, "fsync_path", lambda p: (synced.append(str(p)), real_fsync(p)))
+    path = write_shard(tmp_path / "s.bin", np.arange(100), vocab_size=100, tokenizer="t")
+    temporaries = [p for p in synced if files.is_temporary(p)]
+    # the .bin's and the sidecar's temporaries, each fsynced before its rename, then the folder after each rename
+    assert [p.split(".tmp-")[0] for p in temporaries] == [str(tmp_path / ".s.bin"), str(tmp_path / ".s.json")]
+    assert synced.count(str(tmp_path)) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin", "s.json"]
+    np.testing.assert_array_equal(open_shard(path), np.arange(100))
+
+
+def test_crash_before_the_sidecar_leaves_no_stale_sidecar(tmp_path, monkeypatch):
+    path = write_shard(tmp_path / "s.bin", np.arange(100), vocab_size=100, tokenizer="old")
+
+    def die(*args):
+        raise KeyboardInterrupt("killed between the .bin and its sidecar")
+
+    monkeypatch.setattr(data, "atomic_write_text", die)
+    with pytest.raises(KeyboardInterrupt):
+        write_shard(path, np.arange(100)[::-1], vocab_size=100, tokenizer="new")
+    # same size, so only the missing sidecar tells that the pair is incomplete
+    with pytest.raises(ShardError, match=r"s\.json: sidecar is missing"):
+        open_shard(path)
+
+
+def test_index_exists_only_when_every_shard_was_written(tmp_path):
+    paths = counting_shards(tmp_path)
+    assert read_shards(tmp_path) == paths
+    paths[1].unlink()
+    with pytest.raises(ShardError, match=r"shard_001\.bin: shard file is missing"):
+        read_shards(tmp_path)
+    index_path(tmp_path).unlink()
+    with pytest.raises(ShardError, match=r"shard_index\.json: missing"):
+        read_shards(tmp_path)
+
+
+def test_cached_shards_are_reused_when_complete(tmp_path):
+    first = cached_shards(tmp_path, lambda: np.arange(2_000), vocab_size=2_000, tokenizer="c", tokens_per_shard=700)
+
+    def must_not_rebuild():
+        raise AssertionError("a complete cache was rebuilt")
+
+    assert cached_shards(tmp_path, must_not_rebuild, vocab_size=2_000, tokenizer="c", tokens_per_shard=700) == first
+
+
+@pytest.mark.parametrize("damage", ["sidecar", "index", "truncate"])
+def test_cached_shards_rebuild_an_incomplete_cache(tmp_path, damage):
+    paths = cached_shards(tmp_path, lambda: np.arange(2_000), vocab_size=2_000, tokenizer="c", tokens_per_shard=700)
+    if damage == "sidecar":  # killed after the .bin was renamed, before its sidecar
+        sidecar_path(paths[2]).unlink()
+    elif damage == "index":  # killed before the index
+        index_path(tmp_path).unlink()
+    else:
+        with open(paths[0], "r+b") as handle:
+            handle.truncate(10)
+    rebuilt = cached_shards(tmp_path, lambda: np.arange(2_000), vocab_size=2_000, tokenizer="c", tokens_per_shard=700)
+    np.testing.assert_array_equal(np.concatenate([open_shard(p) for p in rebuilt]), np.arange(2_000))
+
+
+def test_cached_shards_of_another_tokenizer_are_rebuilt(tmp_path):
+    cached_shards(tmp_path, lambda: np.arange(2_000), vocab_size=2_000, tokenizer="old", tokens_per_shard=700)
+    rebuilt = cached_shards(tmp_path, lambda: np.arange(900), vocab_size=1_000, tokenizer="new", tokens_per_shard=700)
+    assert [read_header(p).tokenizer for p in rebuilt] == ["new", "new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [p.name for p in rebuilt] + [sidecar_path(p).name for p in rebuilt] + ["shard_index.json"])
 
 
 # -- the stream -----------------------------------------------------------------
@@ -271,6 +409,19 @@ def test_resume_refuses_a_position_saved_with_another_configuration(tmp_path):
     with pytest.raises(ValueError, match="batch_size saved 4 but this stream has 8"):
         other.load_state_dict(state)
     assert other.start_batch == 0
+
+
+def test_stream_reads_uint32_shards_of_a_large_vocabulary(tmp_path):
+    vocab_size = 100_000  # above 65,536: stored as uint32
+    tokens = np.random.default_rng(2).integers(0, vocab_size, 1_000)
+    tokens[:3] = [vocab_size - 1, 65_536, 70_000]  # ids a uint16 would wrap
+    shard = write_shard(tmp_path / "s.bin", tokens, vocab_size=vocab_size, tokenizer="big")
+    assert read_header(shard).dtype == "uint32"
+    stream = TokenStream([shard], StreamConfig(block_size=16, batch_size=4, shuffle=False))
+    x, y = next(iter(stream))
+    assert x.dtype == torch.int64
+    assert torch.equal(x, torch.from_numpy(tokens[:64 + 1][: 4 * 16]).view(4, 16))
+    assert torch.equal(y[:, -1], torch.from_numpy(tokens[16:65:16]))
 
 
 def test_stream_pickles_paths_not_mapped_data(tmp_path):

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from torchbook.tokenizer import SPECIAL_TOKENS, TokenizerError, encode_text, load_tokenizer, save_tokenizer, train_bpe
+from torchbook.tokenizer import (
+    SPECIAL_TOKENS,
+    TokenizerError,
+    cached_tokenizer,
+    encode_text,
+    load_tokenizer,
+    save_tokenizer,
+    train_bpe,
+)
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 40
 
@@ -46,3 +54,38 @@ def test_missing_tokenizer_file_is_named(tmp_path):
 def test_vocabulary_smaller_than_the_bytes_is_refused(text_file):
     with pytest.raises(TokenizerError, match="at least 260"):
         train_bpe([text_file], vocab_size=100)
+
+
+def test_empty_training_text_is_refused_naming_the_file(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(TokenizerError, match=r"empty\.txt: the training text is empty"):
+        train_bpe([empty], vocab_size=300)
+
+
+def test_no_training_files_is_refused():
+    with pytest.raises(TokenizerError, match="no training text files"):
+        train_bpe([], vocab_size=300)
+
+
+def test_cached_tokenizer_is_reused_when_it_loads_and_matches(text_file, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    first = cached_tokenizer(path, [text_file], vocab_size=300)
+    saved = path.read_bytes()
+    missing = tmp_path / "gone.txt"  # training would fail: proves the saved file was used
+    again = cached_tokenizer(path, [missing], vocab_size=300)
+    assert again.encode(TEXT).ids == first.encode(TEXT).ids
+    assert path.read_bytes() == saved
+
+
+@pytest.mark.parametrize("damage", ["truncated", "other vocabulary"])
+def test_cached_tokenizer_is_rebuilt_when_damaged_or_foreign(text_file, tmp_path, damage):
+    path = tmp_path / "tokenizer.json"
+    if damage == "truncated":  # a write killed halfway
+        save_tokenizer(train_bpe([text_file], vocab_size=300), path)
+        path.write_bytes(path.read_bytes()[:100])
+    else:
+        save_tokenizer(train_bpe([text_file], vocab_size=280), path)
+    tokenizer = cached_tokenizer(path, [text_file], vocab_size=300)
+    assert tokenizer.get_vocab_size() == 300
+    assert load_tokenizer(path).encode(TEXT).ids == tokenizer.encode(TEXT).ids

@@ -2,14 +2,18 @@
 
 Three pieces, top to bottom:
 
-1. ``TokenDataset``: the seed lesson's map-style dataset. It slices a Python
-   list and builds two tensors per item. Correct, simple, and slow: every
-   token passes through the Python interpreter on every read.
+1. ``TokenDataset``: the map-style dataset most tutorials write. Item ``i`` is
+   the non-overlapping block starting at ``i * block_size`` of a Python list,
+   as two new tensors. Correct, simple, and slow: every token passes through
+   the Python interpreter on every read.
 2. Shards: ``write_shard`` stores token ids as a flat ``.bin`` file (uint16
    when the vocabulary fits, uint32 otherwise) with a small JSON sidecar
    (``.json``) recording dtype, token count, vocabulary size and tokenizer.
    ``open_shard`` validates the pair and maps the file with ``np.memmap``, so
    a shard of any size costs no memory until its pages are read.
+   ``write_shards`` ends with an index file, and ``cached_shards`` trusts a
+   folder of shards only when the index and every shard it lists validate;
+   anything less is rebuilt.
 3. ``TokenStream``: an ``IterableDataset`` that yields whole batches
    ``(x, y)`` of shape ``(batch_size, block_size)``. Each shard is viewed,
    without copying, as a table whose rows are its blocks, so a batch is one
@@ -47,14 +51,15 @@ next batch, in the same epoch and order.
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from torchbook.files import atomic_write, atomic_write_text
 
 SHARD_FORMAT = "torchbook-token-shard"
 SHARD_VERSION = 1
@@ -67,19 +72,22 @@ class ShardError(ValueError):
 
 
 # ---------------------------------------------------------------------------
-# 1. The seed lesson's dataset
+# 1. The tutorial version
 # ---------------------------------------------------------------------------
 
 
 class TokenDataset(Dataset):
-    """Map-style dataset over a Python list of token ids: item ``i`` is ``(tokens[i:i+T], tokens[i+1:i+T+1])``.
+    """Map-style dataset over a Python list of token ids: item ``i`` is the block starting at ``i * block_size``.
 
-    Kept as the seed lesson wrote it, to be measured: each item copies
-    ``2 * block_size`` Python ints into two new tensors, one by one.
+    The version most tutorials write, kept to be measured: ``x`` is
+    ``tokens[start:start+T]`` and ``y`` the same slice one token later, blocks
+    do not overlap, and each item copies ``2 * block_size`` Python ints into
+    two new tensors, one by one. Its blocks are exactly ``TokenStream``'s over
+    one shard in file order.
     """
 
     def __init__(self, tokens: Sequence[int], block_size: int) -> None:
-        if len(tokens) < block_size + 1:
+        if block_size <= 0 or len(tokens) < block_size + 1:
             raise ShardError(
                 f"TokenDataset: block_size={block_size} needs at least {block_size + 1} tokens, "
                 f"but the data has {len(tokens)}"
@@ -88,11 +96,12 @@ class TokenDataset(Dataset):
         self.block_size = block_size
 
     def __len__(self) -> int:
-        return len(self.tokens) - self.block_size
+        return (len(self.tokens) - 1) // self.block_size
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.tensor(self.tokens[index : index + self.block_size])
-        y = torch.tensor(self.tokens[index + 1 : index + self.block_size + 1])
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.block_size
+        x = torch.tensor(self.tokens[start : start + self.block_size])
+        y = torch.tensor(self.tokens[start + 1 : start + self.block_size + 1])
         return x, y
 
 
@@ -128,9 +137,11 @@ def sidecar_path(shard: Path | str) -> Path:
 def write_shard(path: Path | str, tokens: np.ndarray | Sequence[int], vocab_size: int, tokenizer: str) -> Path:
     """Write token ids to ``path`` (a ``.bin`` file) and its sidecar; return the path.
 
-    Every id is checked against ``vocab_size`` before anything is written. Both
-    files are written under temporary names and renamed into place, the sidecar
-    last, so an interrupted write never leaves a pair that looks complete.
+    Every id is checked against ``vocab_size`` before anything is written. The
+    old sidecar is removed first, then the ``.bin`` and the new sidecar are
+    each written with ``atomic_write`` (unique temporary, fsync, rename), the
+    sidecar last: a crash at any moment leaves no sidecar or a sidecar that
+    describes the ``.bin`` beside it, never a stale one.
     """
     path = Path(path)
     if path.suffix != ".bin":
@@ -149,14 +160,15 @@ def write_shard(path: Path | str, tokens: np.ndarray | Sequence[int], vocab_size
             f"[0, {vocab_size}); nothing was written"
         )
     header = ShardHeader(dtype=dtype.name, num_tokens=int(ids.size), vocab_size=vocab_size, tokenizer=tokenizer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial_bin = path.with_name(path.name + ".partial")
-    partial_json = path.with_name(sidecar_path(path).name + ".partial")
-    ids.astype(dtype).tofile(partial_bin)
-    partial_json.write_text(json.dumps(asdict(header), indent=2) + "\n")
-    os.replace(partial_bin, path)
-    os.replace(partial_json, sidecar_path(path))
+    sidecar_path(path).unlink(missing_ok=True)
+    atomic_write(path, lambda temporary: ids.astype(dtype).tofile(temporary))
+    atomic_write_text(sidecar_path(path), json.dumps(asdict(header), indent=2) + "\n")
     return path
+
+
+def index_path(folder: Path | str, prefix: str = "shard") -> Path:
+    """The index ``write_shards`` writes last: ``<folder>/<prefix>_index.json``."""
+    return Path(folder) / f"{prefix}_index.json"
 
 
 def write_shards(
@@ -167,15 +179,88 @@ def write_shards(
     tokens_per_shard: int,
     prefix: str = "shard",
 ) -> list[Path]:
-    """Split ``tokens`` into shards of ``tokens_per_shard`` ids named ``<prefix>_000.bin``, ...; return their paths."""
+    """Split ``tokens`` into shards of ``tokens_per_shard`` ids named ``<prefix>_000.bin``, ...; return their paths.
+
+    The index ``<prefix>_index.json`` (shard names, total tokens, tokenizer) is
+    removed first and written last, so it exists only when every shard does.
+    """
     if tokens_per_shard <= 0:
         raise ShardError(f"tokens_per_shard={tokens_per_shard}: expected a positive count")
     ids = np.asarray(tokens)
     folder = Path(folder)
-    return [
+    index = index_path(folder, prefix)
+    index.unlink(missing_ok=True)
+    paths = [
         write_shard(folder / f"{prefix}_{number:03d}.bin", ids[start : start + tokens_per_shard], vocab_size, tokenizer)
         for number, start in enumerate(range(0, len(ids), tokens_per_shard))
     ]
+    entry = {"shards": [p.name for p in paths], "num_tokens": int(ids.size), "vocab_size": vocab_size,
+             "tokenizer": tokenizer}
+    atomic_write_text(index, json.dumps(entry, indent=2) + "\n")
+    return paths
+
+
+def read_shards(folder: Path | str, prefix: str = "shard") -> list[Path]:
+    """The shards listed by ``folder``'s index, after validating the index and every shard against it."""
+    index = index_path(folder, prefix)
+    entry = _read_json(index, "a shard index written by write_shards")
+    if not isinstance(entry, dict) or not isinstance(entry.get("shards"), list) or not entry["shards"]:
+        raise ShardError(f"{index}: field 'shards' must be a non-empty list of shard file names")
+    for name in ("shards", "num_tokens", "vocab_size", "tokenizer"):
+        if name not in entry:
+            raise ShardError(f"{index}: field {name!r} is missing")
+    paths = [Path(folder) / str(name) for name in entry["shards"]]
+    headers = [read_header(p) for p in paths]
+    total = sum(h.num_tokens for h in headers)
+    if total != entry["num_tokens"]:
+        raise ShardError(f"{index}: field 'num_tokens' says {entry['num_tokens']!r} but its shards hold {total:,}")
+    for path, header in zip(paths, headers):
+        if (header.vocab_size, header.tokenizer) != (entry["vocab_size"], entry["tokenizer"]):
+            raise ShardError(f"{path}: tokenizer {header.tokenizer!r} / {header.vocab_size} ids disagrees with {index}")
+    return paths
+
+
+def cached_shards(
+    folder: Path | str,
+    make_tokens: Callable[[], np.ndarray],
+    vocab_size: int,
+    tokenizer: str,
+    tokens_per_shard: int,
+    prefix: str = "shard",
+) -> list[Path]:
+    """The shards in ``folder`` if they are complete and made by this tokenizer; otherwise rebuild them.
+
+    A derived cache is trusted only after ``read_shards`` has validated the
+    index and every shard, never because one file exists: a run killed
+    mid-write leaves a folder this rebuilds instead of failing on forever.
+    ``make_tokens()`` is called only to rebuild.
+    """
+    try:
+        paths = read_shards(folder, prefix)
+        header = read_header(paths[0])
+        if (header.vocab_size, header.tokenizer) == (vocab_size, tokenizer):
+            return paths
+    except ShardError:
+        pass
+    for stale in Path(folder).glob(f"{prefix}_*"):
+        stale.unlink()
+    return write_shards(make_tokens(), folder, vocab_size, tokenizer, tokens_per_shard, prefix)
+
+
+def _read_json(path: Path, expected: str) -> object:
+    """Parse a small JSON file, turning every way it can be wrong into a ShardError that names it."""
+    if not path.is_file():
+        raise ShardError(f"{path}: missing; expected {expected}")
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ShardError(f"{path}: not UTF-8 text ({error}); expected {expected}") from error
+    except json.JSONDecodeError as error:
+        raise ShardError(f"{path}: not JSON ({error}); expected {expected}") from error
+
+
+# The sidecar's fields and the Python type each must have (bool is refused where an int is expected).
+_HEADER_TYPES = {field.name: {"str": str, "int": int}[field.type] for field in fields(ShardHeader)}
 
 
 def read_header(path: Path | str) -> ShardHeader:
@@ -186,16 +271,28 @@ def read_header(path: Path | str) -> ShardHeader:
         raise ShardError(f"{path}: shard file is missing (expected a .bin written by write_shard)")
     if not meta.is_file():
         raise ShardError(f"{meta}: sidecar is missing; without it {path.name} has no known dtype or length")
-    try:
-        fields = json.loads(meta.read_text())
-        header = ShardHeader(**fields)
-    except (json.JSONDecodeError, TypeError) as error:
-        raise ShardError(f"{meta}: not a shard sidecar ({error}); expected the fields of ShardHeader") from error
+    entry = _read_json(meta, "a shard sidecar written by write_shard")
+    if not isinstance(entry, dict):
+        raise ShardError(f"{meta}: holds a JSON {type(entry).__name__}; expected an object with the fields of ShardHeader")
+    unknown = sorted(set(entry) - set(_HEADER_TYPES))
+    if unknown:
+        raise ShardError(f"{meta}: unknown field(s) {unknown}; expected only {sorted(_HEADER_TYPES)}")
+    for name, kind in _HEADER_TYPES.items():
+        if name not in entry:
+            raise ShardError(f"{meta}: field {name!r} is missing")
+        value = entry[name]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ShardError(f"{meta}: field {name!r} is {value!r} ({type(value).__name__}); expected {kind.__name__}")
+    header = ShardHeader(**entry)
     if header.format != SHARD_FORMAT or header.version != SHARD_VERSION:
         raise ShardError(
             f"{meta}: format {header.format!r} version {header.version}, "
             f"expected {SHARD_FORMAT!r} version {SHARD_VERSION}"
         )
+    if header.num_tokens <= 0:
+        raise ShardError(f"{meta}: field 'num_tokens' is {header.num_tokens}; a shard holds at least one token")
+    if header.vocab_size <= 0:
+        raise ShardError(f"{meta}: field 'vocab_size' is {header.vocab_size}; expected a positive number of ids")
     if header.dtype not in TOKEN_DTYPES:
         raise ShardError(f"{meta}: dtype {header.dtype!r}, expected one of {TOKEN_DTYPES}")
     if header.dtype != token_dtype(header.vocab_size).name:

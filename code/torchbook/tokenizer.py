@@ -15,6 +15,8 @@ from typing import Sequence
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from torchbook.files import atomic_write_text
+
 # Special tokens get the first ids: the end of a document, the two chat roles, padding.
 END_OF_TEXT = "<|endoftext|>"
 USER = "<|user|>"
@@ -32,9 +34,14 @@ def train_bpe(text_files: Sequence[Path | str], vocab_size: int, special_tokens:
     minimum = 256 + len(special_tokens)  # every byte plus the special tokens
     if vocab_size < minimum:
         raise TokenizerError(f"vocab_size={vocab_size}: a byte-level BPE needs at least {minimum} ids")
+    if not text_files:
+        raise TokenizerError("train_bpe: no training text files given")
     for path in text_files:
         if not Path(path).is_file():
             raise TokenizerError(f"{path}: training text is missing")
+    if all(Path(path).stat().st_size == 0 for path in text_files):
+        names = ", ".join(str(p) for p in text_files)
+        raise TokenizerError(f"{names}: the training text is empty; BPE would learn no merges from it")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -49,11 +56,8 @@ def train_bpe(text_files: Sequence[Path | str], vocab_size: int, special_tokens:
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: Path | str) -> Path:
-    """Save ``tokenizer`` as one JSON file (vocabulary, merges and settings together)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(path))
-    return path
+    """Save ``tokenizer`` as one JSON file (vocabulary, merges and settings together), atomically."""
+    return atomic_write_text(path, tokenizer.to_str())
 
 
 def load_tokenizer(path: Path | str) -> Tokenizer:
@@ -65,6 +69,23 @@ def load_tokenizer(path: Path | str) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as error:  # tokenizers raises a bare Exception for malformed JSON
         raise TokenizerError(f"{path}: not a tokenizers JSON file ({error})") from error
+
+
+def cached_tokenizer(path: Path | str, text_files: Sequence[Path | str], vocab_size: int) -> Tokenizer:
+    """The tokenizer saved at ``path`` if it loads and has ``vocab_size`` ids; otherwise train and save it.
+
+    A derived file is trusted only after it loads and matches the request, so a
+    damaged or foreign ``tokenizer.json`` is replaced instead of used.
+    """
+    try:
+        tokenizer = load_tokenizer(path)
+        if tokenizer.get_vocab_size() == vocab_size:
+            return tokenizer
+    except TokenizerError:
+        pass
+    tokenizer = train_bpe(text_files, vocab_size)
+    save_tokenizer(tokenizer, path)
+    return tokenizer
 
 
 def encode_text(tokenizer: Tokenizer, text: str) -> np.ndarray:

@@ -1,0 +1,61 @@
+"""The book's tokenizer and chat template in the form Hugging Face ``transformers`` expects.
+
+``transformers`` models and trainers take a ``PreTrainedTokenizerFast`` and
+format conversations with ``tokenizer.apply_chat_template(messages)``, which
+renders a Jinja template stored in ``tokenizer.chat_template`` (and saved in
+``tokenizer_config.json``). ``hf_tokenizer`` wraps a ``tokenizers.Tokenizer``
+trained by ``torchbook.tokenizer`` and gives it a template built from the same
+``ChatTemplate`` strings that ``torchbook.chat.render_chat`` uses, so both
+produce the same text for the same messages.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast
+
+from torchbook.chat import ChatTemplate
+from torchbook.tokenizer import ASSISTANT, END_OF_TEXT, PAD, USER
+
+
+def jinja_chat_template(template: ChatTemplate = ChatTemplate()) -> str:
+    """A Jinja chat template that renders messages exactly as ``render_chat(messages, template)`` does.
+
+    An unknown role raises inside the template (``raise_exception``), as
+    ``render_chat`` refuses it; ``add_generation_prompt=True`` appends the
+    assistant marker, the prompt a model completes at inference.
+    """
+    user, assistant, end = (json.dumps(part) for part in (template.user, template.assistant, template.end))
+    return (
+        "{% for message in messages %}"
+        "{% if message['role'] == 'user' %}"
+        f"{{{{ {user} + message['content'] + '\\n' }}}}"
+        "{% elif message['role'] == 'assistant' %}"
+        f"{{{{ {assistant} + message['content'] + {end} }}}}"
+        "{% else %}"
+        "{{ raise_exception('message ' ~ loop.index0 ~ ': role ' ~ message['role'] ~ ', expected user or assistant') }}"
+        "{% endif %}"
+        "{% endfor %}"
+        f"{{% if add_generation_prompt %}}{{{{ {assistant} }}}}{{% endif %}}"
+    )
+
+
+def hf_tokenizer(tokenizer: Tokenizer, template: ChatTemplate = ChatTemplate()) -> PreTrainedTokenizerFast:
+    """Wrap a trained ``tokenizers.Tokenizer`` as a ``PreTrainedTokenizerFast`` with the book's chat template.
+
+    The special tokens are the ones ``torchbook.tokenizer`` trains with; the
+    ids are the same, since the wrapper calls the same Rust tokenizer.
+    """
+    missing = [t for t in (END_OF_TEXT, USER, ASSISTANT, PAD) if tokenizer.token_to_id(t) is None]
+    if missing:
+        raise ValueError(f"tokenizer lacks the special token(s) {missing}; train it with torchbook.tokenizer.train_bpe")
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=END_OF_TEXT,
+        pad_token=PAD,
+        additional_special_tokens=[USER, ASSISTANT],
+    )
+    wrapped.chat_template = jinja_chat_template(template)
+    return wrapped
