@@ -61,9 +61,28 @@ def has_code(path: Path) -> bool:
 
 
 def pytest_collect_file(file_path: Path, parent):
-    if file_path.suffix == ".qmd" and has_code(file_path):
+    if file_path.suffix != ".qmd":
+        return None
+    if has_code(file_path):
         return ChapterFile.from_parent(parent, path=file_path)
-    return None
+    # A page of prose only (the References page) is still collected, as a check
+    # that it converts, so that naming it in pytest's testpaths is not an error.
+    return ProseFile.from_parent(parent, path=file_path)
+
+
+class ProseFile(pytest.File):
+    """A .qmd without code cells: one item checking that it parses."""
+
+    def collect(self):
+        yield ProseCheck.from_parent(self, name="parses")
+
+
+class ProseCheck(pytest.Item):
+    def runtest(self):
+        parse_qmd(self.path)  # raises QmdError naming the file and line
+
+    def reportinfo(self):
+        return self.path, 0, f"{self.path.name}::parses"
 
 
 class ChapterFile(IPyNbFile):

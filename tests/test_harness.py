@@ -119,3 +119,16 @@ def test_malformed_option_fails_collection_naming_chapter_and_line(tmp_path):
         """)
     assert result.returncode != 0
     assert "broken.qmd:2: cell option is not valid YAML" in result.stdout
+
+
+@pytest.mark.slow
+def test_prose_only_page_is_collected_as_a_parse_check(tmp_path):
+    # The References page has no code; naming it in testpaths must not be a "not found" error.
+    result = run_chapter(tmp_path, """
+        # References {.unnumbered}
+
+        ::: {#refs}
+        :::
+        """)
+    assert result.returncode == 0, result.stdout
+    assert "1 passed" in result.stdout
