@@ -64,7 +64,7 @@ class DataSizes:
     batch_size: int = 32
     num_workers: int = 2  # this machine has 2 cores
     timed_batches: int = 200  # batches timed per streaming measurement
-    seed_timed_batches: int = 30  # the seed TokenDataset is slow; fewer batches give a stable rate
+    tutorial_timed_batches: int = 30  # the tutorial TokenDataset is slow; fewer batches give a stable rate
     loader_batch_size: int = 64  # MNIST batches in the DataLoader demonstrations; 60,000 % 64 leaves a partial batch
     slow_item_s: float = 0.001  # per-image delay of the starved-loader demonstration
     starved_batches: int = 16
@@ -210,7 +210,7 @@ def make_profile(name: str) -> Profile:
                                   batch_size=64, max_steps=5000, lr=1e-3, min_lr=1e-4,
                                   warmup_steps=100, eval_every=250, eval_batches=50, log_every=50,
                                   sample_tokens=500),
-            data=DataSizes(vocab_size=8192, block_size=1024, batch_size=64, num_workers=4, timed_batches=1000, seed_timed_batches=100, starved_workers=4),
+            data=DataSizes(vocab_size=8192, block_size=1024, batch_size=64, num_workers=4, timed_batches=1000, tutorial_timed_batches=100, starved_workers=4),
             checkpoint=CheckpointSizes(steps=60, save_every=10, kill_after_checkpoint=3, demo_n_layer=12,
                                        demo_d_model=768, demo_n_head=12, demo_vocab_size=50304, demo_block_size=1024,
                                        shard_bytes=100_000_000),
