@@ -33,13 +33,28 @@ def listed_chapters() -> list[str]:
     return entries
 
 
+def listed_appendices() -> list[str]:
+    return list(book_config()["book"].get("appendices", []))
+
+
 def book_files() -> list[Path]:
-    return [ROOT / name for name in listed_chapters()]
+    return [ROOT / name for name in listed_chapters() + listed_appendices()]
 
 
 def test_every_listed_chapter_exists():
     missing = [name for name in listed_chapters() if not (ROOT / name).is_file()]
     assert not missing, f"_quarto.yml lists files that do not exist: {missing}"
+
+
+def test_every_listed_appendix_exists():
+    missing = [name for name in listed_appendices() if not (ROOT / name).is_file()]
+    assert not missing, f"_quarto.yml lists appendices that do not exist: {missing}"
+
+
+def test_every_appendix_file_is_listed():
+    on_disk = {f"appendix/{path.name}" for path in (ROOT / "appendix").glob("*.qmd")}
+    unlisted = sorted(on_disk - set(listed_appendices()))
+    assert not unlisted, f"appendices missing from _quarto.yml: {unlisted}"
 
 
 def test_every_chapter_file_is_listed():
@@ -104,3 +119,80 @@ def test_chapter_links_its_notebook_download(name):
     meta, _ = parse_qmd(path)
     links = [link.get("href") for link in meta.get("other-links", [])]
     assert f"{path.stem}.ipynb" in links, f"{name}: front matter needs other-links to {path.stem}.ipynb"
+
+
+# Citations: Quarto's [@key] and narrative @key, in the prose of any page.
+BIB_ENTRY = re.compile(r"^@(\w+)\s*\{\s*([^,\s]+)\s*,", re.MULTILINE)
+CITATION = re.compile(r"(?<![\w@])@([A-Za-z_][\w-]*(?:[:.][\w-]+)*)")
+FENCED_BLOCK = re.compile(r"^(`{3,}|~{3,}).*?^\1", re.MULTILINE | re.DOTALL)
+CROSS_REFERENCE_PREFIXES = ("fig-", "sec-", "tbl-", "eq-", "lst-")
+
+
+def bib_entries() -> dict[str, str]:
+    """Key -> entry type of every entry in references.bib."""
+    text = (ROOT / "references.bib").read_text(encoding="utf-8")
+    return {key: kind.lower() for kind, key in BIB_ENTRY.findall(text) if kind.lower() != "comment"}
+
+
+def pages_that_may_cite() -> list[Path]:
+    return sorted([*ROOT.glob("*.qmd"), *(ROOT / "chapters").glob("*.qmd"), *(ROOT / "appendix").glob("*.qmd")])
+
+
+def citations_in(path: Path) -> set[str]:
+    """Citation keys in a page's prose: code cells, fenced examples and inline code do not count."""
+    _, cells = parse_qmd(path)
+    markdown = "\n".join(cell.source for cell in cells if cell.kind == "markdown")
+    prose = INLINE_CODE.sub("", FENCED_BLOCK.sub("", markdown))  # fences first: ``` is not inline code
+    return {key for key in CITATION.findall(prose) if not key.startswith(CROSS_REFERENCE_PREFIXES)}
+
+
+def test_bibliography_is_configured_with_a_references_page():
+    assert book_config().get("bibliography") == "references.bib", "_quarto.yml must set bibliography"
+    assert "references.qmd" in listed_chapters(), "references.qmd must be listed in the book"
+    text = (ROOT / "references.qmd").read_text(encoding="utf-8")
+    assert "::: {#refs}" in text, "references.qmd must hold the {#refs} div where Quarto puts the list"
+
+
+def test_bib_keys_are_unique():
+    text = (ROOT / "references.bib").read_text(encoding="utf-8")
+    keys = [key for _, key in BIB_ENTRY.findall(text)]
+    duplicates = sorted({key for key in keys if keys.count(key) > 1})
+    assert not duplicates, f"references.bib defines these keys twice: {duplicates}"
+
+
+def test_every_bib_entry_names_author_title_and_year_or_url():
+    text = (ROOT / "references.bib").read_text(encoding="utf-8")
+    starts = [match.start() for match in BIB_ENTRY.finditer(text)] + [len(text)]
+    problems = []
+    for start, end in zip(starts, starts[1:]):
+        entry = text[start:end]
+        key = BIB_ENTRY.match(entry).group(2)
+        fields = set(re.findall(r"^\s*(\w+)\s*=", entry, re.MULTILINE))
+        if not {"author", "title"} <= fields or not fields & {"year", "url"}:
+            problems.append(f"{key}: has {sorted(fields)}")
+    assert not problems, f"entries missing author, title, or both year and url: {problems}"
+
+
+def test_every_citation_key_exists_in_references_bib():
+    known = set(bib_entries())
+    unknown = [f"{path.relative_to(ROOT)}: @{key}"
+               for path in pages_that_may_cite() for key in sorted(citations_in(path)) if key not in known]
+    assert not unknown, f"citations without an entry in references.bib: {unknown}"
+
+
+def test_every_bib_entry_is_cited_somewhere():
+    cited = set().union(*(citations_in(path) for path in pages_that_may_cite()))
+    uncited = sorted(set(bib_entries()) - cited)
+    assert not uncited, f"entries in references.bib that no page cites: {uncited}"
+
+
+def test_citation_finder_sees_brackets_and_narrative_but_not_code_or_references(tmp_path):
+    page = tmp_path / "page.qmd"
+    page.write_text(
+        "As @kingma2015adam showed [see @loshchilov2019adamw, p. 2; @su2024roformer].\n"
+        "See @fig-loss and @sec-intro; mail me at someone@example.org; `@not_inline`.\n\n"
+        "```python\n@torch.no_grad()\ndef f(): ...\n```\n\n"
+        "```{python}\n@decorated\ndef g(): ...\n```\n",
+        encoding="utf-8",
+    )
+    assert citations_in(page) == {"kingma2015adam", "loshchilov2019adamw", "su2024roformer"}
