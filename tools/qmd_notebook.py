@@ -8,7 +8,10 @@ The same converter serves two readers:
   it follows, and tags ``#| eval: false`` cells so nbval skips them;
 - the book's readers download it: ``_quarto.yml`` runs this file as a
   post-render script, which writes ``<chapter>.ipynb`` beside each rendered
-  chapter page.
+  chapter page. A reader's notebook opens with a setup cell that a fresh
+  Jupyter or Colab kernel can run (it installs the book's package from a clone
+  and says where the data goes), and shows each ``#| eval: false`` cell as a
+  fenced block in a Markdown cell, so "Run All" never runs it.
 
 Cell options (the leading ``#|`` lines of a cell) are parsed as YAML; a
 malformed one raises ``QmdError`` naming the chapter and line.
@@ -29,6 +32,65 @@ EXECUTABLE_FENCE = re.compile(r"^(`{3,})\{python(?:[ ,][^}]*)?\}\s*$")
 ANY_FENCE = re.compile(r"^(`{3,}|~{3,})")
 INLINE_VALUE = re.compile(r"`\{python\}\s+([^`]+)`")
 SKIP_TAG = "nbval-skip"
+SETUP_TAG = "book-setup"  # metadata tag of the reader's setup cells
+
+SETUP_MARKDOWN = """\
+## Before you start: the book's package and its data
+
+This notebook is a chapter of *PyTorch Essentials for LLM Work*. Its cells import
+the book's package, `torchbook`, which lives in the book's repository. Install
+it once into the environment of this kernel, from a clone of the repository:
+
+```bash
+git clone <the book's repository> pytorch-essentials
+pip install -e pytorch-essentials      # installs torchbook and the pinned PyTorch
+```
+
+or set `BOOK_CLONE` in the next cell to your clone and run it: it installs the
+package if it is missing, then asks you to restart the kernel.
+
+**Data.** MNIST and Tiny Shakespeare are downloaded on first use from their
+published sources, and every file is checked against its SHA-256. They go to
+`<clone>/.cache/data`, and everything derived from them (token shards,
+tokenizers, checkpoints) to `<clone>/.cache`. To work offline, point
+`BOOK_DATA_DIR` at a folder that already holds `MNIST/raw/*-ubyte` and
+`tinyshakespeare/input.txt` (it is only read, never written); `BOOK_CACHE_DIR`
+moves the derived files. Set both before the first `torchbook` import, as the
+commented lines in the next cell show."""
+
+SETUP_CODE = """\
+# Setup for a fresh kernel: find (or install) the book's package, and say where the data goes.
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BOOK_CLONE = Path("~/pytorch-essentials").expanduser()  # your clone of the book's repository
+# os.environ["BOOK_DATA_DIR"] = "/path/to/data"    # data already on disk: nothing is downloaded
+# os.environ["BOOK_CACHE_DIR"] = "/path/to/cache"  # where derived files go
+
+if importlib.util.find_spec("torchbook") is None:
+    if not (BOOK_CLONE / "pyproject.toml").is_file():
+        raise ModuleNotFoundError(
+            f"torchbook is not installed, and {BOOK_CLONE} is not a clone of the book's "
+            "repository: clone it, set BOOK_CLONE to its folder, and run this cell again."
+        )
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "-e", str(BOOK_CLONE)], check=True)
+    raise SystemExit("torchbook is installed now: restart the kernel and run the notebook from the top.")
+
+import torchbook
+from torchbook.cache import cache_dir, data_dir
+
+print(f"torchbook: {Path(torchbook.__file__).parent}")
+print(f"data sets: {data_dir()}")
+print(f"derived files: {cache_dir()}")"""
+
+NOT_RUN_NOTE = (
+    "*Shown, not run.* The book does not execute this cell (it is marked `#| eval: false`, "
+    "for example because it needs the Hugging Face Hub and downloads a large data set). "
+    "Copy it into a code cell to run it yourself."
+)
 
 
 class QmdError(ValueError):
@@ -139,14 +201,36 @@ def _inline_value_cell(cell: Cell) -> str | None:
     return "\n".join(lines)
 
 
+def _setup_cells() -> list[dict]:
+    """The reader's opening cells: how to install the package, and where the data goes."""
+    metadata = {"tags": [SETUP_TAG]}
+    return [
+        {"cell_type": "markdown", "metadata": dict(metadata), "source": SETUP_MARKDOWN},
+        {"cell_type": "code", "metadata": dict(metadata), "source": SETUP_CODE,
+         "outputs": [], "execution_count": None},
+    ]
+
+
+def _not_run_cell(cell: Cell) -> dict:
+    """A markdown cell showing an ``eval: false`` cell's code as a fenced block that never runs."""
+    body = "\n".join(line for line in cell.source.splitlines() if not line.startswith("#|"))
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", body)), default=0))
+    return {"cell_type": "markdown",
+            "metadata": {"qmd_line": cell.line, "qmd_options": cell.options},
+            "source": f"{NOT_RUN_NOTE}\n\n{fence}python\n{body.strip()}\n{fence}"}
+
+
 def to_notebook(path: Path, for_tests: bool = False) -> dict:
     """Build an nbformat-4 notebook (as a dict) from a chapter.
 
-    ``for_tests`` adds the inline-value cells and the nbval skip tags.
+    ``for_tests`` adds the inline-value cells and the nbval skip tags, and keeps
+    ``eval: false`` cells as code for nbval to skip. Without it (the reader's
+    notebook) the notebook opens with the setup cells and ``eval: false``
+    cells become Markdown.
     """
     path = Path(path)
     meta, cells = parse_qmd(path)
-    notebook_cells = []
+    notebook_cells = [] if for_tests else _setup_cells()
     seen_code = False
     for cell in cells:
         metadata: dict = {"qmd_line": cell.line}
@@ -167,7 +251,10 @@ def to_notebook(path: Path, for_tests: bool = False) -> dict:
             continue
         seen_code = True
         metadata["qmd_options"] = cell.options
-        if for_tests and cell.options.get("eval") is False:
+        if cell.options.get("eval") is False:
+            if not for_tests:
+                notebook_cells.append(_not_run_cell(cell))
+                continue
             metadata["tags"] = [SKIP_TAG]
         notebook_cells.append(
             {"cell_type": "code", "metadata": metadata, "source": cell.source,
