@@ -212,8 +212,9 @@ def test_setup_cell_without_the_package_says_how_to_install_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_downloaded_chapter_runs_outside_the_repository_in_a_fresh_kernel(tmp_path):
+def test_downloaded_chapter_runs_outside_the_repository_in_a_fresh_kernel(tmp_path, monkeypatch):
     """Chapter 1 (the fastest) as a reader runs it: the downloaded .ipynb, in a folder of its own."""
+    monkeypatch.setenv("BOOK_CACHE_DIR", str(tmp_path / "cache"))  # the kernel inherits it
     nbclient = pytest.importorskip("nbclient")
     nbformat = pytest.importorskip("nbformat")
     notebook_path = write_notebook(ROOT / "chapters" / "01-tensors.qmd", tmp_path / "01-tensors.ipynb")
@@ -223,5 +224,6 @@ def test_downloaded_chapter_runs_outside_the_repository_in_a_fresh_kernel(tmp_pa
     client.execute()  # raises CellExecutionError naming the cell if any cell fails
     setup_output = "".join(output.get("text", "") for output in notebook.cells[1].outputs)
     assert f"torchbook: {ROOT / 'code' / 'torchbook'}" in setup_output, setup_output
+    assert f"derived files: {tmp_path / 'cache'}" in setup_output, setup_output
     ran = [cell for cell in notebook.cells if cell.cell_type == "code" and cell.execution_count]
     assert len(ran) == sum(cell.cell_type == "code" for cell in notebook.cells), "every code cell must run"

@@ -38,16 +38,16 @@ SETUP_MARKDOWN = """\
 ## Before you start: the book's package and its data
 
 This notebook is a chapter of *PyTorch Essentials for LLM Work*. Its cells import
-the book's package, `torchbook`, which lives in the book's repository. Install
-it once into the environment of this kernel, from a clone of the repository:
+the book's package, `torchbook`, which lives in the book's repository. Get a
+copy of the repository (a `git clone`, or its source archive unpacked), then
+install it once into the environment of this kernel:
 
 ```bash
-git clone <the book's repository> pytorch-essentials
-pip install -e pytorch-essentials      # installs torchbook and the pinned PyTorch
+pip install -e path/to/your/copy     # installs torchbook and the pinned PyTorch
 ```
 
-or set `BOOK_CLONE` in the next cell to your clone and run it: it installs the
-package if it is missing, then asks you to restart the kernel.
+Or set `BOOK_CLONE` in the next cell to that folder and run the cell: it
+installs the package if it is missing, then asks you to restart the kernel.
 
 **Data.** MNIST and Tiny Shakespeare are downloaded on first use from their
 published sources, and every file is checked against its SHA-256. They go to
