@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from torchbook.models import (
     GPTConfig,
     TinyMLP,
     apply_rope,
+    check_token_ids,
     count_parameters,
     masked_softmax_attention,
     rope_tables,
@@ -51,6 +54,15 @@ def gpt_parameter_formula(c: GPTConfig) -> int:
 def test_tiny_mlp_maps_a_batch_of_64_features_to_10_logits():
     out = TinyMLP(64, 256, 10)(torch.randn(32, 64))
     assert out.shape == (32, 10)
+
+
+def test_tiny_mlp_is_the_tutorial_version_with_a_gelu_module():
+    model = TinyMLP(64, 256, 10)
+    assert isinstance(model.act, torch.nn.GELU)
+    x = torch.randn(5, 64)
+    by_hand = F.linear(F.gelu(F.linear(x, model.fc1.weight, model.fc1.bias)), model.fc2.weight, model.fc2.bias)
+    # Exact: the same float32 operations in the same order.
+    assert torch.equal(model(x), by_hand)
 
 
 def test_tiny_mlp_parameter_count_matches_hand_formula():
@@ -273,3 +285,49 @@ def test_config_rejects_an_odd_head_size_which_rope_cannot_pair():
 def test_config_rejects_d_model_not_divisible_by_n_head():
     with pytest.raises(ValueError, match="d_model=30 must be divisible by n_head=4"):
         GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=4, d_model=30)
+
+
+def test_token_id_equal_to_vocab_size_is_refused_naming_id_and_vocab_size():
+    idx = random_tokens(2, 5)
+    idx[1, 3] = CONFIG.vocab_size
+    with pytest.raises(ValueError, match=r"token id 65 at position \(1, 3\).*\[0, 65\)"):
+        make_model()(idx)
+
+
+def test_negative_token_id_is_refused_naming_it():
+    idx = random_tokens(1, 4)
+    idx[0, 0] = -1
+    with pytest.raises(ValueError, match=r"GPT.forward: idx holds token id -1 .*\[0, 65\)"):
+        make_model()(idx)
+
+
+def test_generate_refuses_an_out_of_range_prompt_id():
+    prompt = torch.tensor([[0, CONFIG.vocab_size + 7]])
+    with pytest.raises(ValueError, match=r"token id 72"):
+        make_model().generate(prompt, 2)
+
+
+def test_check_token_ids_accepts_the_full_range_and_an_empty_batch():
+    check_token_ids(torch.tensor([[0, CONFIG.vocab_size - 1]]), CONFIG.vocab_size)
+    check_token_ids(torch.zeros(0, 4, dtype=torch.long), CONFIG.vocab_size)
+    with pytest.raises(ValueError, match=r"batch holds token id 65"):
+        check_token_ids(torch.tensor([[CONFIG.vocab_size]]), CONFIG.vocab_size, where="batch")
+
+
+# Chapter 2 shows pieces of models.py as ```{.python filename="code/torchbook/models.py"}```
+# blocks (Quarto cannot include a line range); they must stay the module's own text.
+MODELS_PATH = Path(__file__).resolve().parents[1] / "code" / "torchbook" / "models.py"
+CHAPTER_2 = Path(__file__).resolve().parents[1] / "chapters" / "02-modules.qmd"
+SHOWN_BLOCK = re.compile(
+    r'^```\{\.python filename="code/torchbook/models\.py"\}\n(.*?)^```$', re.DOTALL | re.MULTILINE
+)
+
+
+def test_chapter_2_shows_models_py_pieces_verbatim():
+    blocks = SHOWN_BLOCK.findall(CHAPTER_2.read_text(encoding="utf-8"))
+    source = MODELS_PATH.read_text(encoding="utf-8")
+    shown = {name for name in ("class CausalSelfAttention", "class Block", "def _forward", "class TinyMLP")
+             if any(name in block for block in blocks)}
+    assert shown == {"class CausalSelfAttention", "class Block", "def _forward", "class TinyMLP"}, shown
+    stale = [block.splitlines()[0] for block in blocks if block not in source]
+    assert not stale, f"chapter 2 shows code that is not in models.py as written: {stale}"

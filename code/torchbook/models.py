@@ -1,4 +1,4 @@
-"""The book's models: a small decoder-only causal language model (GPT) and the seed's TinyMLP.
+"""The book's models: a small decoder-only causal language model (GPT) and the tutorial TinyMLP.
 
 The GPT is the classic pre-norm transformer, written to be read top to bottom:
 
@@ -10,6 +10,12 @@ The GPT is the classic pre-norm transformer, written to be read top to bottom:
 Positions enter through rotary position embeddings (RoPE) applied to queries and
 keys, so the model has no position-embedding parameters. ``forward`` returns
 logits only: the training loop computes the loss itself, in float32.
+
+Token ids outside ``[0, vocab_size)`` are refused with an error naming the id
+when ``idx`` is on the CPU. On an accelerator they are not checked here:
+reading the ids back to decide would stall the device at every step, so check
+them on the host before moving them (``check_token_ids``), where a data
+pipeline already has them.
 
 This file imports only torch (plus dataclasses and math), so you can copy it
 into another project as it is.
@@ -97,6 +103,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
+def check_token_ids(ids: torch.Tensor, vocab_size: int, where: str = "token ids") -> None:
+    """Raise ValueError naming the first id outside ``[0, vocab_size)``; ``where`` names the input.
+
+    Call it on host tensors (a data pipeline's batch before ``.to(device)``):
+    on an accelerator, ``ids.min()`` and ``ids.max()`` would have to be read
+    back, which waits for every queued kernel.
+    """
+    if ids.numel() == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        position = tuple(int(i) for i in (ids == bad).nonzero()[0])
+        raise ValueError(
+            f"{where} holds token id {bad} at position {position}, outside the "
+            f"vocabulary [0, {vocab_size}); was the data tokenized with another tokenizer?"
+        )
+
+
 def masked_softmax_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     dropout_p: float = 0.0, training: bool = False,
@@ -176,6 +201,8 @@ class Block(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         causal_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        # Pre-norm: each sublayer reads a normalised copy of x and adds its output
+        # back; the residual stream x itself is never normalised inside the block.
         x = x + self.attn(self.ln_attn(x), cos, sin, causal_mask)
         return x + self.mlp(self.ln_mlp(x))
 
@@ -260,14 +287,20 @@ class GPT(nn.Module):
                 f"GPT.forward: idx has {idx.size(1)} positions but block_size is "
                 f"{self.config.block_size}; crop the context to its last block_size tokens"
             )
+        # Only on the CPU, where reading the ids costs no device sync; under
+        # torch.compile the generated kernel checks its own indices.
+        if idx.device.type == "cpu" and not torch.compiler.is_compiling():
+            check_token_ids(idx, self.config.vocab_size, where="GPT.forward: idx")
 
     def _forward(self, idx: torch.Tensor, causal_mask: torch.Tensor | None) -> torch.Tensor:
         self._check_idx(idx)
         steps = idx.size(1)
-        cos, sin = self.rope_cos[:steps], self.rope_sin[:steps]
-        x = self.dropout(self.token_embedding(idx))
+        cos, sin = self.rope_cos[:steps], self.rope_sin[:steps]  # RoPE angles, positions 0..T-1
+        x = self.dropout(self.token_embedding(idx))  # (B, T, d_model), no position embedding
         for block in self.blocks:
             x = block(x, cos, sin, causal_mask)
+        # lm_head shares token_embedding's weight (tied): each logit is the dot product
+        # of the final hidden state with one token's embedding.
         return self.lm_head(self.ln_final(x))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -322,16 +355,16 @@ class GPT(nn.Module):
 
 
 class TinyMLP(nn.Module):
-    """The seed lesson's MLP: Linear(in, hidden) -> ReLU -> Linear(hidden, out)."""
+    """The tutorial version of a small MLP: Linear -> GELU -> Linear, one logit per class."""
 
     def __init__(self, in_features: int = 64, hidden: int = 256, out_features: int = 10) -> None:
         super().__init__()
         self.fc1 = nn.Linear(in_features, hidden)
+        self.act = nn.GELU()
         self.fc2 = nn.Linear(hidden, out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., in_features) -> (..., out_features) logits."""
-        return self.fc2(F.relu(self.fc1(x)))
+        return self.fc2(self.act(self.fc1(x)))
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
