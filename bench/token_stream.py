@@ -1,4 +1,4 @@
-"""Tokens per second: the streaming TokenStream against the seed's TokenDataset and nanoGPT's get_batch.
+"""Tokens per second: the streaming TokenStream against the list-based TokenDataset and nanoGPT's get_batch.
 
 All three read the same uint16 shard in seeded-random order and produce int64
 ``(x, y)`` batches of 32 x 256 tokens. For scale, the machine's memory-copy
@@ -10,9 +10,12 @@ through main memory. It is a yardstick, not a hard limit, since one batch
 
 Run: ``.venv/bin/python bench/token_stream.py`` (``--help`` for sizes).
 The headline compares the stream as the training loop uses it, through
-``DataLoader(stream, batch_size=None)``, with the seed dataset through its
+``DataLoader(stream, batch_size=None)``, with the tutorial dataset through its
 shuffling ``DataLoader``; the stream iterated directly is printed too. The
-last line printed is ``speedup over seed TokenDataset: <x>``.
+last line printed is ``speedup over the list-based TokenDataset: <x>``.
+
+The list-based ``TokenDataset`` is the tutorial version: non-overlapping blocks
+(item ``i`` starts at ``i * block_size``) sliced from a Python list.
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ def rate(batches, count: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def seed_batches(path: Path, block: int, batch: int, seed: int):
-    """The seed lesson: a Python list, a map-style dataset, a shuffling DataLoader."""
+def tutorial_batches(path: Path, block: int, batch: int, seed: int):
+    """The tutorial version: a Python list, a map-style dataset, a shuffling DataLoader."""
     tokens = open_shard(path).tolist()
     dataset = TokenDataset(tokens, block)
     return DataLoader(dataset, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(seed))
@@ -101,7 +104,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--stream-batches", type=int, default=3_000)
     parser.add_argument("--get-batch-batches", type=int, default=600)
-    parser.add_argument("--seed-batches", type=int, default=150)
+    parser.add_argument("--tutorial-batches", type=int, default=150)
     parser.add_argument("--rounds", type=int, default=5, help="each method is timed this many times, interleaved; the best is kept")
     parser.add_argument("--seed", type=int, default=1337)
     args = parser.parse_args()
@@ -115,12 +118,12 @@ def main() -> None:
 
     block, batch, seed = args.block_size, args.batch_size, args.seed
     methods = {
-        "seed TokenDataset": (lambda: seed_batches(path, block, batch, seed), args.seed_batches),
+        "list-based TokenDataset": (lambda: tutorial_batches(path, block, batch, seed), args.tutorial_batches),
         "nanoGPT get_batch": (lambda: get_batch_batches(path, block, batch, seed), args.get_batch_batches),
         "TokenStream": (lambda: stream_batches(path, block, batch, seed), args.stream_batches),
         "TokenStream, no DataLoader": (lambda: iter(stream_batches(path, block, batch, seed).dataset), args.stream_batches),
     }
-    made = {name: make() for name, (make, _) in methods.items()}  # the seed list is built once, untimed
+    made = {name: make() for name, (make, _) in methods.items()}  # the Python list is built once, untimed
     rates: dict[str, list[float]] = {name: [] for name in methods}
     bandwidths = []
     for _ in range(args.rounds):
@@ -135,10 +138,10 @@ def main() -> None:
     for name, values in rates.items():
         best = max(values)
         print(f"{name:>27}: {best / 1e6:8.2f} M tokens/s  ({best / copy_rate:6.1%} of the memory-copy rate)")
-    seed_rate = max(rates["seed TokenDataset"])
+    list_rate = max(rates["list-based TokenDataset"])
     stream_rate = max(rates["TokenStream"])
     print(f"speedup over nanoGPT get_batch: {stream_rate / max(rates['nanoGPT get_batch']):.1f}")
-    print(f"speedup over seed TokenDataset: {stream_rate / seed_rate:.1f}")
+    print(f"speedup over the list-based TokenDataset: {stream_rate / list_rate:.1f}")
 
 
 if __name__ == "__main__":

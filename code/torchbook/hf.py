@@ -28,18 +28,21 @@ def jinja_chat_template(template: ChatTemplate = ChatTemplate()) -> str:
     assistant marker, the prompt a model completes at inference.
     """
     user, assistant, end = (json.dumps(part) for part in (template.user, template.assistant, template.end))
-    return (
-        "{% for message in messages %}"
-        "{% if message['role'] == 'user' %}"
-        f"{{{{ {user} + message['content'] + '\\n' }}}}"
-        "{% elif message['role'] == 'assistant' %}"
-        f"{{{{ {assistant} + message['content'] + {end} }}}}"
-        "{% else %}"
-        "{{ raise_exception('message ' ~ loop.index0 ~ ': role ' ~ message['role'] ~ ', expected user or assistant') }}"
-        "{% endif %}"
-        "{% endfor %}"
-        f"{{% if add_generation_prompt %}}{{{{ {assistant} }}}}{{% endif %}}"
-    )
+    # One tag per line; "-" trims the newlines between tags, so only the {{ ... }} output is rendered.
+    return "\n".join([
+        "{%- for message in messages -%}",
+        "{%- if message['role'] == 'user' -%}",
+        f"{{{{ {user} + message['content'] + \"\\n\" }}}}",
+        "{%- elif message['role'] == 'assistant' -%}",
+        f"{{{{ {assistant} + message['content'] + {end} }}}}",
+        "{%- else -%}",
+        "{{ raise_exception('message ' ~ loop.index0 ~ ': role ' ~ message['role']) }}",
+        "{%- endif -%}",
+        "{%- endfor -%}",
+        "{%- if add_generation_prompt -%}",
+        f"{{{{ {assistant} }}}}",
+        "{%- endif -%}",
+    ])
 
 
 def hf_tokenizer(tokenizer: Tokenizer, template: ChatTemplate = ChatTemplate()) -> PreTrainedTokenizerFast:
