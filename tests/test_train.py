@@ -13,8 +13,10 @@ from torch import nn
 from torchbook.train import (
     IGNORE_INDEX,
     NonFiniteLossError,
+    StepResult,
     Trainer,
     TrainConfig,
+    build_optimizer,
     learning_rate,
 )
 
@@ -325,3 +327,226 @@ def test_evaluate_is_the_mean_over_target_tokens_and_restores_train_mode():
     got = trainer.evaluate(split(x, y, [1, 2, 3]))
     assert got == pytest.approx(expected, rel=1e-6)  # float32 summation order
     assert model.training
+
+
+# ----------------------------------------------------------------- the step's result, the optimizer
+
+
+def test_train_step_returns_the_loss_norm_tokens_and_whether_it_skipped():
+    x, y = token_batch(4, seed=12)
+    y = y.clone()
+    y[0, :2] = IGNORE_INDEX
+    model = make_model()
+    expected = F.cross_entropy(model(x).flatten(0, -2), y.flatten()).item()
+    result = Trainer(model, config(), CPU).train_step([(x, y)])
+    assert isinstance(result, StepResult) and result.skipped is False
+    assert result.loss.item() == pytest.approx(expected, rel=1e-6)  # float32 summation order
+    assert result.target_tokens.item() == 4 * BLOCK - 2
+    assert result.grad_norm.item() > 0
+
+
+def test_skipped_fp16_step_is_reported_in_the_result():
+    model = make_model()
+    trainer = Trainer(model, config(precision="fp16"), CPU)
+    hook = model.hidden.weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    result = trainer.train_step([token_batch(4, seed=8)])
+    hook.remove()
+    assert result.skipped is True and trainer.step == 0 and trainer.skipped_steps == 1
+
+
+def test_build_optimizer_uses_the_fused_adamw_kernel_on_cpu():
+    optimizer, scheduler = build_optimizer(make_model(), config(), CPU)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert all(group["fused"] for group in optimizer.param_groups)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(learning_rate(0, config()))
+    assert scheduler.optimizer is optimizer
+
+
+def test_a_passed_sgd_optimizer_is_the_one_that_steps():
+    model = make_model()
+    before = copy.deepcopy(model.state_dict())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.ConstantLR(sgd, factor=1.0)
+    trainer = Trainer(model, config(max_grad_norm=None), CPU, optimizer=sgd, scheduler=scheduler)
+    x, y = token_batch(4, seed=13)
+    reference = make_model()
+    F.cross_entropy(reference(x).flatten(0, -2), y.flatten()).backward()
+    trainer.train_step([(x, y)])
+    for name, p in reference.named_parameters():
+        # plain SGD: w - lr * grad, the same float32 operations up to summation order
+        torch.testing.assert_close(model.state_dict()[name], before[name] - 0.5 * p.grad, rtol=1e-5, atol=1e-7)
+    assert trainer.history[-1]["lr"] == 0.5
+
+
+def test_bf16_autocast_trains_on_cpu_with_a_float32_loss_close_to_fp32():
+    x, y = token_batch(8, seed=14)
+    fp32 = Trainer(make_model(), config(), CPU).train_step([(x, y)])
+    bf16_model = make_model()
+    bf16_trainer = Trainer(bf16_model, config(precision="bf16"), CPU)
+    bf16 = bf16_trainer.train_step([(x, y)])
+    assert bf16.loss.dtype == torch.float32 and not bf16_trainer.scaler.is_enabled()
+    assert bf16.skipped is False and bf16_trainer.step == 1
+    # bf16 keeps 8 significant bits (relative rounding 2**-8 ~ 0.4%) in the matmuls; the loss is
+    # float32 but computed from bf16 logits, so 2% covers several roundings adding up.
+    assert bf16.loss.item() == pytest.approx(fp32.loss.item(), rel=2e-2)
+    assert bf16.loss.item() != fp32.loss.item(), "autocast did not run the forward in bf16"
+    assert all(p.dtype == torch.float32 for p in bf16_model.parameters()), "weights stay float32"
+
+
+# ----------------------------------------------------------------- the trainer's state
+
+
+def save_and_load(state: dict, tmp_path) -> dict:
+    path = tmp_path / "state.pt"
+    torch.save(state, path)
+    return torch.load(path, weights_only=True)
+
+
+def train_steps(trainer: Trainer, first: int, last: int) -> None:
+    for step in range(first, last):
+        trainer.train_step([token_batch(4, seed=100 + step)])
+
+
+def test_state_dict_round_trips_through_weights_only_and_continues_exactly(tmp_path):
+    settings = config(max_steps=8, log_every=3)  # 5 steps: one row at 3, steps 4-5 pending
+    whole = Trainer(make_model(), settings, CPU)
+    train_steps(whole, 0, 8)
+    whole.log()
+
+    first = Trainer(make_model(), settings, CPU)
+    train_steps(first, 0, 5)
+    state = save_and_load(first.state_dict(), tmp_path)
+    assert state["step"] == 5 and state["pending"]["steps"] == [4, 5]
+    second = Trainer(make_model(seed=1), settings, CPU)  # different initial weights: all overwritten
+    second.load_state_dict(state)
+    train_steps(second, 5, 8)
+    second.log()
+    assert [row["step"] for row in second.history] == [row["step"] for row in whole.history] == [3, 6, 8]
+    # exact float equality: same process, same operations in the same order
+    assert [row["loss"] for row in second.history] == [row["loss"] for row in whole.history]
+    assert [row["lr"] for row in second.history] == [row["lr"] for row in whole.history]
+    for name, tensor in whole.model.state_dict().items():
+        assert torch.equal(second.model.state_dict()[name], tensor), name
+
+
+def test_resume_with_a_changed_learning_rate_uses_and_logs_the_new_schedule(tmp_path):
+    old = config(max_steps=10, lr=1e-2, min_lr=1e-3, warmup_steps=2)
+    new = config(max_steps=10, lr=4e-3, min_lr=1e-4, warmup_steps=2)
+    first = Trainer(make_model(), old, CPU)
+    train_steps(first, 0, 5)
+    resumed = Trainer(make_model(), new, CPU)
+    resumed.load_state_dict(save_and_load(first.state_dict(), tmp_path))
+    used = []
+    for step in range(5, 8):
+        used.append(resumed.optimizer.param_groups[0]["lr"])  # what the optimizer really steps with
+        train_steps(resumed, step, step + 1)
+    logged = [row["lr"] for row in resumed.history[-3:]]
+    assert logged == used, "the history must log the rate the optimizer used"
+    assert used == pytest.approx([learning_rate(step, new) for step in range(5, 8)])
+    assert used[0] != pytest.approx(learning_rate(5, old)), "the old schedule is still in use"
+    assert all(group["initial_lr"] == 4e-3 for group in resumed.optimizer.param_groups)
+
+
+def test_resume_with_the_same_config_keeps_the_loaded_rate_bit_for_bit(tmp_path):
+    settings = config(max_steps=10, warmup_steps=3)
+    first = Trainer(make_model(), settings, CPU)
+    train_steps(first, 0, 4)
+    rate = first.optimizer.param_groups[0]["lr"]
+    resumed = Trainer(make_model(), settings, CPU)
+    resumed.load_state_dict(save_and_load(first.state_dict(), tmp_path))
+    assert resumed.optimizer.param_groups[0]["lr"] == rate
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda s: s.pop("step"), r"no 'step'"),
+    (lambda s: s.update(step=-1), r"step: -1, expected an int"),
+    (lambda s: s.update(step=True), r"step: True, expected an int"),
+    (lambda s: s.update(optimizer=None), r"optimizer: a NoneType, expected a dict"),
+    (lambda s: s["model"].pop("head.bias"), r"model: 1 missing keys"),
+    (lambda s: s["model"].update({"head.weight": torch.zeros(2, 2)}), r"model\['head.weight'\]"),
+    (lambda s: s["pending"].update(steps=[1, 2, 3]), r"pending\['loss'\]"),
+    (lambda s: s.update(scaler={"scale": 1.0}), r"scaler: loss scaling \(fp16\) is on"),
+], ids=["no-step", "negative-step", "bool-step", "no-optimizer", "missing-key", "wrong-shape",
+        "pending-lengths", "scaler-on"])
+def test_a_bad_state_is_refused_and_nothing_changes(damage, message):
+    source = Trainer(make_model(seed=1), config(log_every=4), CPU)
+    train_steps(source, 0, 2)
+    state = source.state_dict()
+    damage(state)
+    target = Trainer(make_model(), config(log_every=4), CPU)
+    weights = copy.deepcopy(target.model.state_dict())
+    optimizer_state = copy.deepcopy(target.optimizer.state_dict())
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(state)
+    assert target.step == 0 and not target._unlogged
+    assert all(torch.equal(target.model.state_dict()[k], v) for k, v in weights.items())
+    assert target.optimizer.state_dict() == optimizer_state
+
+
+# ----------------------------------------------------------------- two ranks (gloo, in subprocesses)
+
+DDP_WORKER = r'''
+import sys, torch, torch.distributed as dist
+from torch import nn
+from torchbook.train import Trainer, TrainConfig
+
+def worker(rank, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 16), nn.Linear(16, 11))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    config = TrainConfig(max_steps=1, warmup_steps=0, max_grad_norm=None, accum_steps=2, log_every=1)
+    trainer = Trainer(ddp, config, "cpu", optimizer=sgd,
+                      scheduler=torch.optim.lr_scheduler.ConstantLR(sgd, factor=1.0))
+    x, y = torch.load(out + "/data.pt")
+    mine = slice(4 * rank, 4 * rank + 4)
+    micro = [(x[mine][:2], y[mine][:2]), (x[mine][2:], y[mine][2:])]
+    result = trainer.train_step(micro)
+    if rank == 0:
+        torch.save({"weights": model.state_dict(), "loss": result.loss, "tokens": result.target_tokens},
+                   out + "/rank0.pt")
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2)
+'''
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_with_uneven_tokens_take_the_one_process_step(tmp_path):
+    """Global token count, loss x world_size and no_sync together give the single-process gradient."""
+    import subprocess
+    import sys
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 11, (8, 5), generator=generator)
+    y = torch.randint(0, 11, (8, 5), generator=generator)
+    y[:2, :4] = IGNORE_INDEX  # rank 0's first micro-batch is mostly ignored; rank 1 has all its tokens
+    torch.save((x, y), tmp_path / "data.pt")
+    script = tmp_path / "ddp_worker.py"
+    script.write_text(DDP_WORKER)
+    done = subprocess.run([sys.executable, str(script), str(free_port()), str(tmp_path)],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ranks = torch.load(tmp_path / "rank0.pt", weights_only=True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 16), nn.Linear(16, 11))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+    single = Trainer(model, TrainConfig(max_steps=1, warmup_steps=0, max_grad_norm=None), CPU, optimizer=sgd,
+                     scheduler=torch.optim.lr_scheduler.ConstantLR(sgd, factor=1.0))
+    result = single.train_step([(x, y)])
+    assert ranks["tokens"].item() == result.target_tokens.item() == 8 * 5 - 8
+    # float32 sums in another order (per rank, then across ranks): a few ulps; 1e-5 leaves margin
+    torch.testing.assert_close(ranks["loss"], result.loss, rtol=1e-5, atol=1e-7)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(ranks["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)

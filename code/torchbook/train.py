@@ -3,7 +3,8 @@
 A step over ``accum_steps`` micro-batches does, in this order:
 
 1. **count** the target tokens of all its micro-batches (those not equal to
-   ``IGNORE_INDEX``), on the device, without a sync;
+   ``IGNORE_INDEX``), on the device, without a sync (all-reduced over the ranks
+   when distributed);
 2. **forward** each micro-batch under ``torch.autocast`` (bf16 or fp16, or
    nothing for fp32), then compute the loss in **float32**, summed over tokens
    and divided by the step's token count, so that the gradients add up to the
@@ -12,15 +13,31 @@ A step over ``accum_steps`` micro-batches does, in this order:
 4. **unscale** the gradients and **clip** their total norm (keeping the norm before clipping);
 5. **step** the optimizer through the scaler, which skips the step when an fp16
    gradient overflowed, and **update** the scaler's scale;
-6. advance the learning-rate **schedule** (linear warmup, then cosine to ``min_lr``);
+6. advance the learning-rate **schedule** (by default linear warmup, then cosine to ``min_lr``);
 7. **zero** the gradients by setting them to ``None``.
 
-The loss and the gradient norm stay on the device as tensors. They are read to
-the host (a GPU sync) only every ``log_every`` steps, when a row is appended to
-``history``. That is also when a non-finite loss is noticed: up to
-``log_every - 1`` steps after it happened, steps that have already applied
-non-finite updates to the weights. The error names the step where it started,
-so you can resume from a checkpoint taken before it.
+``train_step`` returns a ``StepResult`` whose loss and gradient norm stay on
+the device as tensors. They are read to the host (a GPU sync) only every
+``log_every`` steps, when a row is appended to ``history``. That is also when a
+non-finite loss is noticed: up to ``log_every - 1`` steps after it happened,
+steps that have already applied non-finite updates to the weights. The error
+names the step where it started, so you can resume from a checkpoint taken before it.
+
+The ``Trainer`` owns the training state: ``state_dict()`` holds model,
+optimizer, schedule, scaler, step counts, history and the losses not yet
+logged, as tensors and plain values (loadable with ``torch.load(...,
+weights_only=True)``), and ``load_state_dict`` restores all of it after
+checking all of it.
+
+**Distributed.** When ``torch.distributed`` is initialised with more than one
+rank, the model must be wrapped in DDP or FSDP2 (``fully_shard``), which
+*average* gradients over the ranks. ``train_step`` then all-reduces the
+step's target-token count (so every rank divides by the global count),
+multiplies each micro-batch loss by the world size (undoing the averaging, so
+the gradient is that of the global mean loss, whatever the tokens per rank),
+and runs all but the last micro-batch without gradient synchronisation
+(``model.no_sync()`` for DDP, ``model.set_requires_gradient_sync(False)`` for
+FSDP2). The logged loss is the global mean.
 
 The trainer keeps no global state: the caller seeds the model's initialisation
 (and the global generator that dropout draws from) and the data; the loop
@@ -29,13 +46,17 @@ itself draws no random numbers.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -47,6 +68,12 @@ AUTOCAST_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
+# Devices with a fused AdamW kernel (one kernel for all parameters instead of one per operation).
+FUSED_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu")
+# TrainConfig fields that the default optimizer and schedule are built from; see Trainer.load_state_dict.
+OPTIMIZER_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps", "weight_decay", "betas")
+STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "step", "skipped_steps", "history", "pending", "config")
+PENDING_KEYS = ("steps", "lr", "loss", "grad_norm", "target_tokens", "seconds")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -91,6 +118,16 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
 
 
+@dataclass
+class StepResult:
+    """What ``train_step`` returns. The tensors stay on the device: reading them is a sync."""
+
+    loss: Tensor  # mean loss over the step's target tokens (global across ranks when distributed)
+    grad_norm: Tensor  # total gradient norm before clipping
+    target_tokens: Tensor  # the step's target-token count (global across ranks when distributed)
+    skipped: bool  # True when the fp16 scaler skipped the step (step and schedule did not advance)
+
+
 def learning_rate(step: int, config: TrainConfig) -> float:
     """Learning rate for the optimizer step that follows ``step`` completed steps.
 
@@ -122,6 +159,33 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def build_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup + cosine (``learning_rate``) as a ``LambdaLR``: each group's lr times ``learning_rate / config.lr``."""
+
+    def lr_factor(step: int) -> float:  # LambdaLR multiplies each group's base lr by this
+        return learning_rate(step, config) / config.lr
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device | None = None
+                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """The book's AdamW (decay and no-decay groups) and its warmup + cosine schedule.
+
+    ``fused=True`` where the device has a fused kernel (CUDA, CPU, MPS, XPU) and
+    every parameter is floating point: one kernel updates all parameters, where
+    the default runs several per operation. ``device`` defaults to where the
+    first parameter is.
+    """
+    groups = parameter_groups(model, config.weight_decay)
+    parameters = [p for group in groups for p in group["params"]]
+    if device is None:
+        device = parameters[0].device if parameters else torch.device("cpu")
+    fused = torch.device(device).type in FUSED_DEVICE_TYPES and all(p.is_floating_point() for p in parameters)
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, fused=fused or None)
+    return optimizer, build_schedule(optimizer, config)
+
+
 def _check_on_device(model: nn.Module, device: torch.device) -> None:
     """Raise unless every parameter and buffer already lives on ``device``.
 
@@ -137,41 +201,90 @@ def _check_on_device(model: nn.Module, device: torch.device) -> None:
             )
 
 
-class Trainer:
-    """Trains ``model`` (inputs -> logits) with AdamW, a warmup-cosine schedule, clipping and mixed precision.
+def _inner_module(model: nn.Module) -> nn.Module:
+    """The plain module inside torch.compile (``_orig_mod``) and DDP (``.module``) wrappers.
 
-    ``model``, ``optimizer``, ``scheduler`` and ``scaler`` are public so that a
-    checkpoint can save and restore them; ``step`` counts the optimizer steps
-    done (an fp16 step the scaler skipped does not count, and is tallied in
-    ``skipped_steps``); ``history`` holds one dict per logged step.
+    Its ``state_dict`` keys carry no wrapper prefix, so a checkpoint written by a
+    compiled or DDP run loads into a plain model.
+    """
+    while True:
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class Trainer:
+    """Trains ``model`` (inputs -> logits) with clipping, mixed precision and a learning-rate schedule.
+
+    ``optimizer`` and ``scheduler`` default to ``build_optimizer(model, config,
+    device)``: AdamW with warmup + cosine. Pass your own (SGD, another
+    schedule) to train with those; a passed optimizer without a scheduler gets
+    the book's warmup + cosine shape applied to its own learning rate.
+    ``step`` counts the optimizer steps done (an fp16 step the scaler skipped
+    does not count, and is tallied in ``skipped_steps``); ``history`` holds one
+    dict per logged step: ``step``, ``loss``, ``lr`` (the rate the optimizer
+    used for that step), ``grad_norm``, ``tokens_per_second`` and, where
+    evaluated, ``val_loss``.
     """
 
-    def __init__(self, model: nn.Module, config: TrainConfig, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, config: TrainConfig, device: torch.device | str,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> None:
         device = torch.device(device)
         _check_on_device(model, device)
+        if scheduler is not None and optimizer is None:
+            raise ValueError("Trainer: a scheduler was passed without its optimizer; pass both")
+        world_size = _world_size()
+        if world_size > 1 and not (hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync")):
+            raise ValueError(
+                f"Trainer: torch.distributed runs {world_size} ranks but {type(model).__name__} is neither "
+                "DDP nor FSDP; wrap the model so that its gradients are averaged over the ranks"
+            )
         self.model = model
         self.config = config
         self.device = device
         self.autocast_dtype = AUTOCAST_DTYPES[config.precision]
-        self.optimizer = torch.optim.AdamW(
-            parameter_groups(model, config.weight_decay), lr=config.lr, betas=config.betas
-        )
-
-        def lr_factor(step: int) -> float:  # LambdaLR multiplies the base lr by this
-            return learning_rate(step, config) / config.lr
-
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
+        # True when the optimizer and schedule are the book's, built from config (see load_state_dict).
+        self.owns_optimizer = optimizer is None
+        if optimizer is None:
+            optimizer, scheduler = build_optimizer(model, config, device)
+        elif scheduler is None:
+            scheduler = build_schedule(optimizer, config)
+        self.optimizer = optimizer
+        self.scheduler = scheduler
         # Loss scaling only for fp16: its exponent range is so narrow that small gradients
         # underflow to zero. bf16 has fp32's exponent range and needs none.
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
         self.step = 0
         self.skipped_steps = 0
         self.history: list[dict] = []
-        # Per-step values since the last history row, still on the device: (step, loss, grad_norm, tokens).
-        self._unlogged: list[tuple[int, Tensor, Tensor, Tensor]] = []
+        # Per-step values since the last history row, loss/norm/tokens still on the device:
+        # (step, lr, loss, grad_norm, target_tokens).
+        self._unlogged: list[tuple[int, float, Tensor, Tensor, Tensor]] = []
         self._interval_started = time.perf_counter()
 
     # ----- one optimizer step, in its named parts -----
+
+    def _gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-batch's backward: synchronise gradients over ranks on the last one only."""
+        set_sync = getattr(self.model, "set_requires_gradient_sync", None)
+        if set_sync is not None:  # FSDP2
+            set_sync(last)
+            return contextlib.nullcontext()
+        if not last and hasattr(self.model, "no_sync"):  # DDP
+            return self.model.no_sync()
+        return contextlib.nullcontext()
 
     def accumulate_gradients(self, micro_batches: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         """Forward and backward over ``micro_batches``; returns (mean loss, target tokens) as tensors.
@@ -184,21 +297,29 @@ class Trainer:
         """
         batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                    for x, y in micro_batches]
-        # 1. count: a tensor on the device, so no sync; at least 1 so an all-ignored step gives loss 0.
-        target_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches).clamp(min=1)
+        world_size = _world_size()
+        # 1. count: a tensor on the device, so no sync; summed over ranks when distributed.
+        target_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
+        if world_size > 1:
+            dist.all_reduce(target_tokens, op=dist.ReduceOp.SUM)
+        target_tokens = target_tokens.clamp(min=1)  # at least 1, so an all-ignored step gives loss 0
         step_loss = torch.zeros((), device=self.device)
         self.model.train()
-        for x, y in batches:
-            # 2. forward in low precision, loss in float32 (log-softmax over a large vocabulary
-            #    loses digits in bf16/fp16).
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype,
-                                enabled=self.config.precision != "fp32"):
-                logits = self.model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, -2), y.flatten(),
-                                   ignore_index=IGNORE_INDEX, reduction="sum") / target_tokens
-            # 3. backward; gradients add up in .grad across micro-batches.
-            self.scaler.scale(loss).backward()
+        for index, (x, y) in enumerate(batches):
+            with self._gradient_sync(last=index == len(batches) - 1):
+                # 2. forward in low precision, loss in float32 (log-softmax over a large
+                #    vocabulary loses digits in bf16/fp16).
+                with torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                                    enabled=self.config.precision != "fp32"):
+                    logits = self.model(x)
+                loss = F.cross_entropy(logits.float().flatten(0, -2), y.flatten(),
+                                       ignore_index=IGNORE_INDEX, reduction="sum") / target_tokens
+                # 3. backward; gradients add up in .grad across micro-batches. DDP/FSDP average
+                #    over ranks, so times world_size gives the sum: the global mean's gradient.
+                self.scaler.scale(loss * world_size if world_size > 1 else loss).backward()
             step_loss += loss.detach()
+        if world_size > 1:
+            dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)  # each rank's share of the global mean
         return step_loss, target_tokens
 
     def clip_gradients(self) -> Tensor:
@@ -214,18 +335,19 @@ class Trainer:
             return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
         return torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)
 
-    def train_step(self, micro_batches: Sequence[tuple[Tensor, Tensor]]) -> None:
+    def train_step(self, micro_batches: Sequence[tuple[Tensor, Tensor]]) -> StepResult:
         """One optimizer step over ``micro_batches`` (usually ``accum_steps`` of them, fewer at the end).
 
         Parts 1-3 (count, forward and loss, backward) are in ``accumulate_gradients``,
         part 4 (unscale, clip) in ``clip_gradients``; parts 5-7 follow here. With
         fp16 the scaler may skip the step (a gradient overflowed): then ``step``
-        does not advance and ``skipped_steps`` does.
+        does not advance, ``skipped_steps`` does, and the result says ``skipped``.
         """
         if len(micro_batches) == 0:
             raise ValueError("Trainer.train_step: got no micro-batches; a step needs at least one")
         step_loss, target_tokens = self.accumulate_gradients(micro_batches)
-        grad_norm = self.clip_gradients()
+        grad_norm = self.clip_gradients().detach()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses, before the schedule moves it
         # 5. step (skipped by the scaler if an fp16 gradient is inf/nan), then update the scale.
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
         self.scaler.step(self.optimizer)
@@ -234,17 +356,19 @@ class Trainer:
         # scaler.step has already synced to look for infs).
         skipped = scale_before is not None and self.scaler.get_scale() < scale_before
         # 6. schedule: the next step's learning rate; a skipped step does not advance it.
-        if not skipped:
+        if not skipped and self.scheduler is not None:
             self.scheduler.step()
         # 7. zero: None instead of a tensor of zeros; the next backward writes instead of adding.
         self.optimizer.zero_grad(set_to_none=True)
+        result = StepResult(loss=step_loss, grad_norm=grad_norm, target_tokens=target_tokens, skipped=skipped)
         if skipped:
             self.skipped_steps += 1
-            return
+            return result
         self.step += 1
-        self._unlogged.append((self.step, step_loss, grad_norm.detach(), target_tokens))
+        self._unlogged.append((self.step, float(lr), step_loss, grad_norm, target_tokens))
         if self.step % self.config.log_every == 0:
             self.log()
+        return result
 
     def log(self) -> dict | None:
         """Read the losses since the last row to the host (a sync) and append a history row.
@@ -255,22 +379,23 @@ class Trainer:
         if not self._unlogged:
             return None
         steps = [entry[0] for entry in self._unlogged]
+        rates = [entry[1] for entry in self._unlogged]
         losses, norms, tokens = (torch.stack([entry[i] for entry in self._unlogged]).tolist()
-                                 for i in (1, 2, 3))
+                                 for i in (2, 3, 4))
         now = time.perf_counter()
-        bad = [(step, loss) for step, loss in zip(steps, losses) if not math.isfinite(loss)]
+        bad = [(step, loss, lr) for step, loss, lr in zip(steps, losses, rates) if not math.isfinite(loss)]
         if bad:
             raise NonFiniteLossError(
                 f"training loss is {bad[0][1]} at optimizer step {bad[0][0]} "
                 f"(noticed at step {steps[-1]}, when the losses were read); precision="
-                f"{self.config.precision!r}, lr={learning_rate(bad[0][0] - 1, self.config):.3g}. "
+                f"{self.config.precision!r}, lr={bad[0][2]:.3g}. "
                 "Lower the learning rate or look for bad inputs, and resume from a checkpoint "
                 "taken before that step."
             )
         row = {
             "step": steps[-1],
             "loss": sum(losses) / len(losses),
-            "lr": learning_rate(steps[-1] - 1, self.config),  # the rate the logged step used
+            "lr": rates[-1],  # the rate the optimizer used for the logged step
             "grad_norm": sum(norms) / len(norms),
             "tokens_per_second": sum(tokens) / max(now - self._interval_started, 1e-9),
         }
@@ -278,6 +403,122 @@ class Trainer:
         self._unlogged.clear()
         self._interval_started = now
         return row
+
+    # ----- the training state -----
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue this run exactly, as tensors and plain values.
+
+        Model (without wrapper prefixes), optimizer, scheduler, scaler, ``step``,
+        ``skipped_steps``, ``history``, the steps not yet logged (their losses
+        stay tensors: no sync) with the seconds they took, and the config as a
+        dict. Loads with ``torch.load(..., weights_only=True)``. Like
+        ``nn.Module.state_dict`` it holds the live tensors: save it (or clone
+        it) before training on.
+        """
+        pending = self._unlogged
+        empty = torch.zeros(0, device=self.device)
+        return {
+            "model": _inner_module(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict(),  # {} when disabled (fp32, bf16)
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "history": [dict(row) for row in self.history],
+            "pending": {
+                "steps": [entry[0] for entry in pending],
+                "lr": [entry[1] for entry in pending],
+                "loss": torch.stack([entry[2] for entry in pending]) if pending else empty,
+                "grad_norm": torch.stack([entry[3] for entry in pending]) if pending else empty,
+                "target_tokens": torch.stack([entry[4] for entry in pending]) if pending else empty.long(),
+                "seconds": time.perf_counter() - self._interval_started,
+            },
+            "config": dataclasses.asdict(self.config),
+        }
+
+    def state_dict_problems(self, state: Any) -> list[str]:
+        """Every way ``state`` does not fit this trainer, as readable lines; empty when it loads.
+
+        Checks the structure and types of every entry, the model's keys, shapes
+        and dtypes, the optimizer's groups and state shapes, and whether the
+        scaler is on in both, so that ``load_state_dict`` can refuse before
+        changing anything.
+        """
+        if not isinstance(state, Mapping):
+            return [f"trainer state is a {type(state).__name__}, expected a dict"]
+        missing = [key for key in STATE_KEYS if key not in state]
+        if missing:
+            return [f"trainer state has no {', '.join(repr(key) for key in missing)}"]
+        problems = _model_problems(_inner_module(self.model), state["model"])
+        problems += _optimizer_problems(self.optimizer, state["optimizer"])
+        if self.scheduler is not None and not isinstance(state["scheduler"], Mapping):
+            problems.append(f"scheduler: a {type(state['scheduler']).__name__}, expected a dict")
+        if not isinstance(state["scaler"], Mapping):
+            problems.append(f"scaler: a {type(state['scaler']).__name__}, expected a dict")
+        elif bool(state["scaler"]) != self.scaler.is_enabled():
+            saved, now = ("on" if on else "off" for on in (bool(state["scaler"]), self.scaler.is_enabled()))
+            problems.append(f"scaler: loss scaling (fp16) is {saved} in the state, {now} now")
+        for key in ("step", "skipped_steps"):
+            if not _is_count(state[key]):
+                problems.append(f"{key}: {state[key]!r}, expected an int >= 0")
+        if not isinstance(state["history"], list) or not all(isinstance(row, Mapping) for row in state["history"]):
+            problems.append("history: expected a list of dicts")
+        if state["config"] is not None and not isinstance(state["config"], Mapping):
+            problems.append(f"config: a {type(state['config']).__name__}, expected a dict")
+        return problems + _pending_problems(state["pending"])
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned; on any problem raise ``ValueError`` and change nothing.
+
+        When this trainer built its own optimizer and schedule and ``config``
+        changed a field they are built from (lr, min_lr, warmup_steps,
+        max_steps, weight_decay, betas), the *new* values apply from the next
+        step: the loaded optimizer's groups and the schedule's base rates are
+        set from the new config, so the rate used (and logged) is
+        ``learning_rate(step, config)``. With an optimizer and scheduler you
+        passed in, their saved states are restored as they are.
+        """
+        problems = self.state_dict_problems(state)
+        if problems:
+            raise ValueError("Trainer.load_state_dict: the state does not fit this trainer; "
+                             "nothing was loaded:\n  " + "\n  ".join(problems))
+        _inner_module(self.model).load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.step = state["step"]
+        self.skipped_steps = state["skipped_steps"]
+        self.history = [dict(row) for row in state["history"]]
+        pending = state["pending"]
+        self._unlogged = [
+            (step, float(lr), loss.to(self.device), norm.to(self.device), tokens.to(self.device))
+            for step, lr, loss, norm, tokens in zip(pending["steps"], pending["lr"], pending["loss"],
+                                                    pending["grad_norm"], pending["target_tokens"])
+        ]
+        self._interval_started = time.perf_counter() - float(pending["seconds"])
+        saved = state["config"] or {}
+        current = dataclasses.asdict(self.config)
+        if self.owns_optimizer and any(_differs(saved.get(key), current[key]) for key in OPTIMIZER_FIELDS):
+            self._apply_config_to_optimizer()
+
+    def _apply_config_to_optimizer(self) -> None:
+        """Set the book's optimizer groups and schedule from ``config``, as if built with it at ``step``."""
+        config, scheduler = self.config, self.scheduler
+        for group, decay in zip(self.optimizer.param_groups, (config.weight_decay, 0.0)):
+            group["initial_lr"] = config.lr
+            group["betas"] = tuple(config.betas)
+            group["weight_decay"] = decay
+        scheduler.base_lrs = [config.lr for _ in self.optimizer.param_groups]
+        # LambdaLR's own formula (base lr times factor at last_epoch == step), so the rate is
+        # what the schedule's next steps continue from.
+        rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs,
+                                                                             scheduler.lr_lambdas)]
+        for group, rate in zip(self.optimizer.param_groups, rates):
+            group["lr"] = rate
+        scheduler._last_lr = rates
 
     # ----- evaluation and the whole run -----
 
@@ -319,10 +560,8 @@ class Trainer:
             group = list(itertools.islice(train_batches, self.config.accum_steps))
             if not group:
                 break
-            steps_before = self.step
-            self.train_step(group)
-            stepped = self.step > steps_before  # False when the fp16 scaler skipped the step
-            if val_batches is not None and stepped and self.step % self.config.eval_every == 0:
+            result = self.train_step(group)
+            if val_batches is not None and not result.skipped and self.step % self.config.eval_every == 0:
                 self._evaluate_into_history(val_batches)
         self.log()
         if val_batches is not None and self.history and "val_loss" not in self.history[-1]:
@@ -336,3 +575,87 @@ class Trainer:
                 return  # no step has run yet: nothing to attach a validation loss to
         self.history[-1]["val_loss"] = self.evaluate(val_batches())
         self._interval_started = time.perf_counter()  # evaluation time is not training throughput
+
+
+# ----- checks behind Trainer.state_dict_problems -----
+
+
+def _differs(saved: Any, current: Any) -> bool:
+    """True when a saved config value differs from the current one (tuples and lists compare equal)."""
+    if isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)):
+        return list(saved) != list(current)
+    return saved != current
+
+
+def _model_problems(model: nn.Module, saved: Any) -> list[str]:
+    """Missing and unexpected keys, and tensors of the wrong shape or dtype, in a saved model state."""
+    if not isinstance(saved, Mapping):
+        return [f"model: a {type(saved).__name__}, expected a state_dict (a dict of tensors)"]
+    expected = model.state_dict()
+    problems = []
+    missing = [key for key in expected if key not in saved]
+    unexpected = [key for key in saved if key not in expected]
+    if missing:
+        problems.append(f"model: {len(missing)} missing keys, e.g. {missing[:3]}")
+    if unexpected:
+        problems.append(f"model: {len(unexpected)} unexpected keys, e.g. {unexpected[:3]}")
+    for key, target in expected.items():
+        source = saved.get(key)
+        if key not in saved:
+            continue
+        if not isinstance(source, Tensor):
+            problems.append(f"model[{key!r}]: a {type(source).__name__}, expected a tensor")
+        elif source.shape != target.shape or source.dtype != target.dtype:
+            problems.append(f"model[{key!r}]: {source.dtype} {tuple(source.shape)}, "
+                            f"expected {target.dtype} {tuple(target.shape)}")
+    return problems
+
+
+def _optimizer_problems(optimizer: torch.optim.Optimizer, saved: Any) -> list[str]:
+    """Ways a saved optimizer state does not fit ``optimizer``: structure, group sizes, state shapes."""
+    if not isinstance(saved, Mapping):
+        return [f"optimizer: a {type(saved).__name__}, expected a dict"]
+    groups, states = saved.get("param_groups"), saved.get("state")
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        return ["optimizer: 'param_groups' is not a list of groups with 'params' lists"]
+    if not isinstance(states, Mapping) or not all(isinstance(entry, Mapping) for entry in states.values()):
+        return ["optimizer: 'state' is not a dict of per-parameter dicts"]
+    if len(groups) != len(optimizer.param_groups):
+        return [f"optimizer: {len(groups)} parameter groups in the state, {len(optimizer.param_groups)} now"]
+    problems, parameters = [], {}
+    for number, (old, new) in enumerate(zip(groups, optimizer.param_groups)):
+        if len(old["params"]) != len(new["params"]):
+            problems.append(f"optimizer group {number}: {len(old['params'])} parameters in the state, "
+                            f"{len(new['params'])} now")
+        parameters.update(zip(old["params"], new["params"]))
+    for index, entries in states.items():
+        parameter = parameters.get(index)
+        if parameter is None:
+            problems.append(f"optimizer state for parameter {index!r}, which no group lists")
+            continue
+        for name, value in entries.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape != parameter.shape:
+                problems.append(f"optimizer state {name!r} of parameter {index}: shape {tuple(value.shape)}, "
+                                f"the parameter has {tuple(parameter.shape)}")
+    return problems
+
+
+def _pending_problems(pending: Any) -> list[str]:
+    """Whether the not-yet-logged steps are lists and tensors of one length."""
+    if not isinstance(pending, Mapping) or any(key not in pending for key in PENDING_KEYS):
+        return [f"pending: expected a dict with {', '.join(PENDING_KEYS)}"]
+    count = len(pending["steps"]) if isinstance(pending["steps"], list) else -1
+    problems = []
+    if count < 0 or not all(_is_count(step) for step in pending["steps"]):
+        problems.append("pending['steps']: expected a list of ints")
+    if not isinstance(pending["lr"], list) or len(pending["lr"]) != count \
+            or not all(isinstance(lr, (int, float)) for lr in pending["lr"]):
+        problems.append(f"pending['lr']: expected a list of {count} numbers")
+    for key in ("loss", "grad_norm", "target_tokens"):
+        value = pending[key]
+        if not isinstance(value, Tensor) or value.shape != (max(count, 0),):
+            problems.append(f"pending[{key!r}]: expected a tensor of shape ({max(count, 0)},)")
+    if not isinstance(pending["seconds"], (int, float)):
+        problems.append("pending['seconds']: expected a number")
+    return problems
