@@ -1,7 +1,11 @@
-"""Loss curves from training histories: one line per run and per key, on labelled axes.
+"""Loss curves and training diagnostics from training histories, on labelled axes.
 
 A history is what ``Trainer.fit`` returns: a list of dicts, one per logged step,
-each with ``step`` and some of ``loss``, ``val_loss``, ``lr``, ``grad_norm``.
+each with ``step`` and some of ``loss``, ``val_loss``, ``lr``, ``grad_norm``,
+``tokens_per_second``. ``plot_history`` draws losses (one line per run and per
+key); ``plot_diagnostics`` draws the three signals that explain a loss curve:
+the learning rate, the gradient norm before clipping against the clip
+threshold, and the throughput.
 This module needs only matplotlib, so it plots histories from anywhere
 (a live run, or results saved as JSON on another machine).
 """
@@ -65,4 +69,54 @@ def plot_history(
         ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    return figure
+
+
+# The diagnostics panels: history key, y-axis label, log scale (norms span decades).
+DIAGNOSTIC_PANELS = (
+    ("lr", "learning rate", False),
+    ("grad_norm", "gradient norm before clipping", True),
+    ("tokens_per_second", "tokens per second", False),
+)
+
+
+def plot_diagnostics(
+    history: Sequence[Mapping[str, float]],
+    max_grad_norm: float | None = None,
+    axes: Sequence[Axes] | None = None,
+    title: str | None = None,
+) -> Figure:
+    """Plot learning rate, gradient norm and tokens per second against ``step``, one panel each.
+
+    ``max_grad_norm`` draws the clip threshold as a dashed line on the
+    gradient-norm panel, so you see how often clipping acted (every point above
+    the line was scaled down to it). Pass three ``axes`` to draw beside other
+    plots, for example a loss curve in the same figure.
+    """
+    if not history:
+        raise ValueError("plot_diagnostics: history is empty; train at least log_every steps first")
+    if axes is None:
+        figure, axes = plt.subplots(1, len(DIAGNOSTIC_PANELS), figsize=(10, 3), layout="constrained")
+    elif len(axes) != len(DIAGNOSTIC_PANELS):
+        raise ValueError(
+            f"plot_diagnostics: axes must hold {len(DIAGNOSTIC_PANELS)} axes "
+            f"(learning rate, gradient norm, tokens per second), got {len(axes)}"
+        )
+    figure = axes[0].figure
+    for ax, (key, label, log_scale) in zip(axes, DIAGNOSTIC_PANELS):
+        rows = [row for row in history if key in row]
+        ax.plot([row["step"] for row in rows], [row[key] for row in rows], linewidth=1.2)
+        if log_scale:
+            ax.set_yscale("log")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    if max_grad_norm is not None:
+        norm_ax = axes[[key for key, _, _ in DIAGNOSTIC_PANELS].index("grad_norm")]
+        norm_ax.axhline(max_grad_norm, linestyle="--", linewidth=1.0, color="grey")
+        norm_ax.annotate(f"clip threshold {max_grad_norm:g}", xy=(1.0, max_grad_norm),
+                         xycoords=("axes fraction", "data"), xytext=(-4, 3), textcoords="offset points",
+                         ha="right", va="bottom", color="grey", fontsize="small")
+    if title:
+        figure.suptitle(title)
     return figure
