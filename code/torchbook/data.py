@@ -1,51 +1,33 @@
 """The token pipeline: token ids on disk as shards, streamed back as ``(x, y)`` batches.
 
-Three pieces, top to bottom:
+1. ``TokenDataset``: the map-style dataset most tutorials write (item ``i`` is
+   the block starting at ``i * block_size`` of a Python list). Correct and
+   slow: every token passes through the Python interpreter on every read.
+2. Shards: ``write_shard`` stores ids as a flat ``.bin`` (uint16 when the
+   vocabulary fits, else uint32) with a JSON sidecar (dtype, count,
+   vocabulary size, tokenizer); ``open_shard`` validates the pair and maps
+   the file with ``np.memmap``. ``write_shards`` writes an index last, and
+   ``cached_shards`` trusts a folder only when the index and every shard
+   validate; anything less is rebuilt.
+3. ``TokenStream``: an ``IterableDataset`` of whole batches. Each shard is
+   viewed, without copying, as a table whose rows are its blocks, so a batch
+   is one gather of rows per shard it touches. Use it with
+   ``DataLoader(stream, batch_size=None)``.
 
-1. ``TokenDataset``: the map-style dataset most tutorials write. Item ``i`` is
-   the non-overlapping block starting at ``i * block_size`` of a Python list,
-   as two new tensors. Correct, simple, and slow: every token passes through
-   the Python interpreter on every read.
-2. Shards: ``write_shard`` stores token ids as a flat ``.bin`` file (uint16
-   when the vocabulary fits, uint32 otherwise) with a small JSON sidecar
-   (``.json``) recording dtype, token count, vocabulary size and tokenizer.
-   ``open_shard`` validates the pair and maps the file with ``np.memmap``, so
-   a shard of any size costs no memory until its pages are read.
-   ``write_shards`` ends with an index file, and ``cached_shards`` trusts a
-   folder of shards only when the index and every shard it lists validate;
-   anything less is rebuilt.
-3. ``TokenStream``: an ``IterableDataset`` that yields whole batches
-   ``(x, y)`` of shape ``(batch_size, block_size)``. Each shard is viewed,
-   without copying, as a table whose rows are its blocks, so a batch is one
-   gather of whole rows per shard it touches; no per-token Python loop. Use
-   it with ``DataLoader(stream, batch_size=None)``.
+How the stream divides the work: a *block* is ``block_size + 1`` tokens
+starting at a multiple of ``block_size`` inside one shard. Each epoch orders
+all blocks (a permutation seeded by ``(seed, epoch)``, the same on every
+process, or file order), cuts the order into global batches, deals global
+batch ``g`` to rank ``g % world_size`` and the rank's ``k``-th batch to
+DataLoader worker ``k % num_workers``; the DataLoader collects round robin, so
+the loop sees the same order for any number of workers. Every rank must take
+the same number of steps or DDP hangs, so an epoch uses the largest multiple
+of ``world_size * batch_size`` blocks and reports the rest
+(``dropped_blocks_per_epoch``).
 
-How the stream divides the work
--------------------------------
-A *block* is ``block_size + 1`` consecutive tokens starting at a multiple of
-``block_size`` inside one shard (``x`` is the first ``block_size`` of them,
-``y`` the last ``block_size``). Each epoch orders all blocks (a permutation
-seeded by ``(seed, epoch)``, identical on every process, or the file order),
-cuts the order into global batches of ``batch_size`` blocks (read in file
-order within a batch, which leaves the batch's gradient unchanged), deals global
-batch ``g`` to rank ``g % world_size``, and deals the rank's ``k``-th batch to
-DataLoader worker ``k % num_workers``. The DataLoader collects from its
-workers round robin, so the training loop sees the rank's batches in the same
-order whatever the number of workers.
-
-Every rank must run the same number of steps, or DDP waits forever for the
-rank that stopped early. So each epoch uses the largest multiple of
-``world_size * batch_size`` blocks; the rest (``dropped_blocks_per_epoch``)
-are left out and reported, never silently. With shuffling they are different
-blocks each epoch.
-
-Resuming
---------
-DataLoader workers prefetch batches ahead of the training loop, so the
-dataset object cannot know how far training got. The loop does: it counts
-the batches it took, passes that count to ``state_dict(batches_consumed)``,
-and a fresh stream given ``load_state_dict(state)`` starts exactly at the
-next batch, in the same epoch and order.
+Resuming: workers prefetch, so only the training loop knows how many batches
+it consumed. It passes that count to ``state_dict(batches_consumed)``; a
+fresh stream given ``load_state_dict(state)`` starts at the next batch.
 """
 
 from __future__ import annotations
