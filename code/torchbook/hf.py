@@ -2,8 +2,8 @@
 
 ``transformers`` models and trainers take a ``PreTrainedTokenizerFast`` and
 format conversations with ``tokenizer.apply_chat_template(messages)``, which
-renders a Jinja template stored in ``tokenizer.chat_template`` (and saved in
-``tokenizer_config.json``). ``hf_tokenizer`` wraps a ``tokenizers.Tokenizer``
+renders a Jinja template stored in ``tokenizer.chat_template`` (which
+``save_pretrained`` writes as ``chat_template.jinja`` in transformers 5). ``hf_tokenizer`` wraps a ``tokenizers.Tokenizer``
 trained by ``torchbook.tokenizer`` and gives it a template built from the same
 ``ChatTemplate`` strings that ``torchbook.chat.render_chat`` uses, so both
 produce the same text for the same messages.
