@@ -215,7 +215,8 @@ def cached_shards(
     A derived cache is trusted only after ``read_shards`` has validated the
     index and every shard, never because one file exists: a run killed
     mid-write leaves a folder this rebuilds instead of failing on forever.
-    ``make_tokens()`` is called only to rebuild.
+    ``make_tokens()`` is called only to rebuild, after every ``<prefix>_*``
+    file in ``folder`` is deleted.
     """
     try:
         paths = read_shards(folder, prefix)
