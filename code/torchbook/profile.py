@@ -154,6 +154,40 @@ class LabSizes:
 
 
 @dataclass(frozen=True)
+class DeviceSizes:
+    """Chapter 6: devices, DDP and FSDP2 on two processes, torch.compile, single-device tools.
+
+    The distributed runs prove equalities, not speed, so both profiles use a
+    tiny GPT for them; the compile and MFU measurements grow on the gpu profile.
+    """
+
+    # The GPT of the DDP / FSDP2 runs (byte-level, so the vocabulary is 256).
+    vocab_size: int = 256
+    block_size: int = 32
+    n_layer: int = 2
+    n_head: int = 2
+    d_model: int = 32
+    world_size: int = 2  # processes torchrun starts
+    micro_batch_size: int = 4  # rows per rank per micro-batch
+    accum_steps: int = 2
+    ddp_steps: int = 12  # steps of the TokenStream DDP run
+    check_steps: int = 4  # AdamW steps compared between DDP, one process and FSDP2
+    lr: float = 3e-3
+    launch_timeout_s: float = 240.0  # a torchrun job that takes longer is killed
+    # torch.compile: a small GPT, timed step by step, eager against compiled.
+    compile_n_layer: int = 1
+    compile_d_model: int = 64
+    compile_block_size: int = 64
+    compile_batch_size: int = 8
+    timed_steps: int = 20
+    # Activation checkpointing, profiler and MFU.
+    checkpoint_layers: int = 4
+    checkpoint_width: int = 256
+    checkpoint_batch: int = 64
+    matmul_size: int = 512  # square matmul whose measured rate is the reference for MFU
+
+
+@dataclass(frozen=True)
 class Profile:
     """Device and run sizes for one profile. Chapters read these; none hard-codes its own."""
 
@@ -166,6 +200,7 @@ class Profile:
     checkpoint: CheckpointSizes = CheckpointSizes()
     pitfalls: PitfallSizes = PitfallSizes()
     lab: LabSizes = LabSizes()
+    devices: DeviceSizes = DeviceSizes()
     seed: int = 1337
 
 
@@ -215,6 +250,9 @@ def make_profile(name: str) -> Profile:
                                   warmup_steps=100, eval_every=250, eval_batches=50, log_every=50,
                                   sample_tokens=500),
             data=DataSizes(vocab_size=8192, block_size=1024, batch_size=64, num_workers=4, timed_batches=1000, tutorial_timed_batches=100, starved_workers=4),
+            devices=DeviceSizes(compile_n_layer=6, compile_d_model=384, compile_block_size=256,
+                                compile_batch_size=32, timed_steps=50, checkpoint_layers=8,
+                                checkpoint_width=2048, checkpoint_batch=512, matmul_size=8192),
             checkpoint=CheckpointSizes(steps=60, save_every=10, kill_after_checkpoint=3, demo_n_layer=12,
                                        demo_d_model=768, demo_n_head=12, demo_vocab_size=50304, demo_block_size=1024,
                                        shard_bytes=100_000_000),

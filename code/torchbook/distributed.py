@@ -1,0 +1,208 @@
+"""The pieces of multi-process training a script needs besides the model and the loop.
+
+- ``backend_for`` / ``init_distributed`` / ``cleanup_distributed``: start and
+  end the process group, with the backend the device needs (NCCL for CUDA,
+  gloo for the CPU). ``init_distributed`` reads the rank and world size that
+  ``torchrun`` publishes through ``init_process_group``'s default ``env://``.
+- ``rank_slice``: this rank's share of a global batch (contiguous rows).
+- ``AllReduceCounter``: a DDP communication hook that counts the gradient
+  all-reduces, to see what ``no_sync`` saves.
+- ``mean_over_ranks``: a value averaged across ranks, for logging.
+- ``is_rank_zero``: only one process writes logs and checkpoints.
+- ``local_bytes``: the bytes this rank holds for parameters and optimizer state
+  (the local shards under FSDP2).
+- ``free_port`` and ``launch``: start a ``torchrun`` job (or any command) as a
+  subprocess that always ends, its whole process group killed on timeout or error.
+
+The gradient arithmetic itself (global token count, loss times world size,
+``no_sync`` on all but the last micro-batch) lives in ``torchbook.train``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+LAUNCH_TIMEOUT_S = 300.0  # a tiny job takes seconds; a hung collective must not hang the caller
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process sits in the job: its rank, the number of ranks, and its device."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+
+def backend_for(device: torch.device | str) -> str:
+    """``"nccl"`` for CUDA devices, ``"gloo"`` otherwise (the CPU; gloo also runs on any machine)."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_distributed(device_type: str) -> DistributedContext:
+    """Join the process group ``torchrun`` set up, on ``device_type`` (``"cpu"`` or ``"cuda"``).
+
+    On CUDA each process takes the GPU numbered by its rank modulo the local
+    GPU count (one process per GPU), and sets it as the current device before
+    NCCL starts, so that NCCL does not put every rank on GPU 0.
+    """
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"init_distributed: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    if not dist.is_available():
+        raise RuntimeError("init_distributed: this PyTorch build has no torch.distributed")
+    device = torch.device(device_type)
+    backend = backend_for(device)
+    if device_type == "cuda":
+        dist.init_process_group(backend)  # env:// (torchrun's variables)
+        device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        dist.init_process_group(backend)
+    return DistributedContext(dist.get_rank(), dist.get_world_size(), device, backend)
+
+
+def cleanup_distributed() -> None:
+    """Destroy the process group if there is one (call it in ``finally``, on errors too)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_rank_zero() -> bool:
+    """True in the one process that writes logs and checkpoints (and when not distributed)."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def rank_slice(batch: Tensor, rank: int, world_size: int) -> Tensor:
+    """Rows ``[rank * n, (rank + 1) * n)`` of ``batch``, with ``n = len(batch) // world_size``.
+
+    The global batch must divide evenly: ranks with different batch sizes would
+    wait for each other at every all-reduce and weigh their tokens differently.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank_slice: expected 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if batch.size(0) % world_size != 0:
+        raise ValueError(
+            f"rank_slice: a global batch of {batch.size(0)} rows does not split evenly over {world_size} ranks"
+        )
+    rows = batch.size(0) // world_size
+    return batch[rank * rows:(rank + 1) * rows]
+
+
+class AllReduceCounter:
+    """A DDP communication hook that counts gradient all-reduces, then does the usual one.
+
+    DDP groups gradients into buckets and all-reduces each bucket once its
+    gradients are ready; the hook is called once per bucket per synchronised
+    backward. Register it with ``ddp_model.register_comm_hook(None, counter)``.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.calls += 1
+        return allreduce_hook(None, bucket)  # None: the default (world) process group
+
+
+def mean_over_ranks(value: Tensor) -> Tensor:
+    """``value`` averaged over all ranks (a copy; a collective, so every rank must call it)."""
+    total = value.detach().clone().float()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)  # gloo has no AVG; divide by hand
+        total /= dist.get_world_size()
+    return total
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """The part of ``tensor`` stored in this process (a DTensor's local shard, else itself)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this rank stores for ``parameters`` and ``optimizer_state`` (local shards only)."""
+    parameters = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+    state = 0
+    if optimizer is not None:
+        for per_parameter in optimizer.state.values():
+            for value in per_parameter.values():
+                if isinstance(value, Tensor):
+                    state += _local(value).numel() * _local(value).element_size()
+    return {"parameters": parameters, "optimizer_state": state}
+
+
+# ---------------------------------------------------------------------------
+# Launching a job from a notebook or a test: it always ends.
+# ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port no one listens on now (the OS picks it when we bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_command(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
+                     python: str = sys.executable) -> list[str]:
+    """``python -m torch.distributed.run`` on one machine, with a free rendezvous port.
+
+    An explicit free port rather than ``--master_port=0``: each rank would
+    resolve port 0 on its own, and the ranks never meet.
+    """
+    if nproc < 1:
+        raise ValueError(f"torchrun_command: nproc must be >= 1, got {nproc}")
+    return [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *map(str, args)]
+
+
+class LaunchError(RuntimeError):
+    """A launched job failed or ran past its timeout; the message holds its output."""
+
+
+def launch(command: Sequence[str], timeout_s: float = LAUNCH_TIMEOUT_S, cwd: str | Path | None = None,
+           env: dict[str, str] | None = None) -> str:
+    """Run ``command`` in its own process group; return its output, or raise ``LaunchError``.
+
+    On a timeout, an error in the caller (Ctrl-C included) or a non-zero exit,
+    the whole group is killed: ``torchrun`` and every worker it started, so no
+    orphan keeps running or holds a port.
+    """
+    process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               cwd=cwd, env=env, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(process)
+        output, _ = process.communicate()
+        raise LaunchError(f"{' '.join(command)} ran past {timeout_s:.0f} s and was killed; output:\n{output}")
+    except BaseException:
+        _kill_group(process)
+        process.communicate()
+        raise
+    finally:
+        _kill_group(process)  # workers that outlived a finished torchrun, if any
+    if process.returncode != 0:
+        raise LaunchError(f"{' '.join(command)} exited with code {process.returncode}; output:\n{output}")
+    return output
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # the session started with the process: its id is the pid
+    except ProcessLookupError:
+        pass
