@@ -5,7 +5,7 @@
 The model is a GPT-2-small-sized GPT (about 124 M parameters, ~500 MB in
 float32; the tied head is stored once by both formats). Every save is
 durable: written to a temporary file, fsync'd, renamed, folder fsync'd
-(``checkpoint.atomic_write``), so the time includes getting the bytes onto
+(``torchbook.files.atomic_write``), so the time includes getting the bytes onto
 the disk, not only into the page cache. The disk's fsync'd write bandwidth is
 measured in the same run by writing the same number of bytes with plain
 ``write`` calls and one ``fsync``: the reference a format's save is compared with.
@@ -45,8 +45,9 @@ import safetensors.torch
 import torch
 
 from torchbook.cache import cache_dir
-from torchbook.checkpoint import atomic_write, read_safetensors, save_safetensors, split_aliases
+from torchbook.files import atomic_write
 from torchbook.models import GPT, GPTConfig, count_parameters
+from torchbook.weights import drop_shared, read_safetensors, save_safetensors
 
 MIN_PARAMETERS = 100_000_000  # the issue asks for a model of at least 100 M parameters
 WRITE_CHUNK_BYTES = 16 << 20  # plain-write chunk for the disk bandwidth measurement
@@ -143,7 +144,7 @@ def main() -> None:
     if parameters < MIN_PARAMETERS:
         print(f"note: {parameters:,} parameters, below the {MIN_PARAMETERS:,} the benchmark is meant for")
     state_dict = model.state_dict()
-    tensors, _ = split_aliases(state_dict)
+    tensors, _ = drop_shared(state_dict)
     tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
     folder = Path(tempfile.mkdtemp(prefix="checkpoint_io_", dir=cache_dir()))

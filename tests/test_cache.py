@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from torchbook import cache
+from torchbook.files import is_temporary
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def test_download_unpacks_and_verifies_gzipped_files(local_server, fresh_cache):
         stored = root / spec.path
         # Independent check: hash the stored file ourselves.
         assert cache.sha256_of(stored) == spec.sha256
-    assert not list(root.rglob("*.partial")), "no temporary file may be left behind"
+    assert not [path for path in root.rglob("*") if is_temporary(path)], "no temporary file may be left behind"
 
 
 @pytest.mark.slow
@@ -81,6 +82,25 @@ def test_corrupt_download_is_refused_naming_file_and_both_hashes(tmp_path, fresh
     assert "demo/file.txt" in message
     assert cache.sha256_of(bad) in message and "0" * 64 in message
     assert not (fresh_cache / "demo" / "file.txt").exists(), "a file that failed its check must not be kept"
+    assert list((fresh_cache / "demo").iterdir()) == [], "the temporary must be removed too"
+
+
+def test_a_verified_download_goes_through_the_one_atomic_writer(tmp_path, fresh_cache, monkeypatch):
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "file.txt").write_bytes(b"the published bytes")
+    spec = cache.DataFile("demo/file.txt", "unused", cache.sha256_of(served / "file.txt"))
+    written = []
+    real_atomic_write = cache.atomic_write
+
+    def recording_atomic_write(path, write):
+        written.append(Path(path))
+        return real_atomic_write(path, write)
+
+    monkeypatch.setattr(cache, "atomic_write", recording_atomic_write)
+    target = cache.download(spec, fresh_cache, url=(served / "file.txt").as_uri())
+    assert written == [fresh_cache / "demo" / "file.txt"] == [target]
+    assert target.read_bytes() == b"the published bytes"
 
 
 def test_wrong_checksum_in_data_dir_is_refused(tmp_path, monkeypatch):

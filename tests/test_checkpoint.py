@@ -1,24 +1,27 @@
-"""Checkpoint files: weights, full training state, atomic writes, safetensors, errors, meta-device loading."""
+"""Exact resume (code/torchbook/checkpoint.py): weights files, training checkpoints, RNG, rotation, refusals."""
 
 from __future__ import annotations
 
-import json
-import os
+import copy
+import errno
+import pickle
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-import safetensors
 import torch
 from torch import nn
 
 from torchbook import checkpoint as ckpt
 from torchbook.checkpoint import CheckpointError
+from torchbook.files import is_temporary
 from torchbook.models import GPT, GPTConfig, TinyMLP
+from torchbook.train import TrainConfig, Trainer
+from torchbook.weights import save_safetensors
 
-TINY_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32)
+TINY_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.1)
 
 
 def fresh_mlp(seed: int) -> TinyMLP:
@@ -41,39 +44,29 @@ def assert_same_tensors(left: dict[str, torch.Tensor], right: dict[str, torch.Te
         assert torch.equal(left[name], right[name]), f"{name} differs"
 
 
-def make_training_objects(seed: int):
-    """A TinyMLP with AdamW, a LambdaLR schedule and an (enabled) GradScaler, after two real steps."""
-    model = fresh_mlp(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(2):
-        train_one_step(model, optimizer, scheduler, scaler, generator)
-    return model, optimizer, scheduler, scaler
-
-
-def train_one_step(model, optimizer, scheduler, scaler, generator) -> float:
-    x = torch.randn(4, 8, generator=generator)
-    y = torch.randint(0, 4, (4,), generator=generator)
-    loss = nn.functional.cross_entropy(nn.functional.dropout(model(x), 0.5), y)  # dropout: uses the global RNG
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return loss.item()
-
-
 @dataclass
 class SmallModelConfig:
     hidden: int = 16
 
 
-@dataclass
-class SmallTrainConfig:
-    lr: float = 1e-2
-    betas: tuple[float, float] = (0.9, 0.95)
+def token_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, TINY_GPT.vocab_size, (2, 8), generator=generator)
+    return x, torch.randint(0, TINY_GPT.vocab_size, (2, 8), generator=generator)
+
+
+def fp16_trainer(seed: int, **overrides) -> Trainer:
+    """A tiny GPT (dropout on: draws from the global RNG) in fp16, so the scaler has a state too."""
+    settings = dict(max_steps=20, lr=1e-2, warmup_steps=2, precision="fp16", log_every=3)
+    settings.update(overrides)
+    return Trainer(fresh_gpt(seed), TrainConfig(**settings), torch.device("cpu"))
+
+
+def trained(seed: int = 0, steps: int = 2, **overrides) -> Trainer:
+    trainer = fp16_trainer(seed, **overrides)
+    for step in range(steps):
+        trainer.train_step([token_batch(step)])
+    return trainer
 
 
 # ----------------------------------------------------------------- weights
@@ -150,7 +143,7 @@ def test_truncated_checkpoint_is_refused_with_its_path(tmp_path):
     truncated.write_bytes(data[: len(data) // 2])
     model = fresh_mlp(1)
     before = snapshot(model)
-    with pytest.raises(CheckpointError, match=rf"{truncated}: truncated or corrupt"):
+    with pytest.raises(CheckpointError, match=rf"{truncated}: truncated torch.save archive"):
         ckpt.load_weights(model, truncated)
     assert_same_tensors(snapshot(model), before)
 
@@ -170,25 +163,9 @@ def test_text_file_is_refused_as_another_kind(tmp_path):
 
 
 def test_safetensors_file_is_refused_by_the_torch_loader(tmp_path):
-    path = ckpt.save_safetensors(fresh_mlp(0), tmp_path / "weights.safetensors")
+    path = save_safetensors(fresh_mlp(0), tmp_path / "weights.safetensors")
     with pytest.raises(CheckpointError, match=rf"{path}: is a safetensors file"):
         ckpt.load_weights(fresh_mlp(1), path)
-
-
-def test_training_checkpoint_is_not_taken_for_a_weights_file(tmp_path):
-    model, optimizer, _, _ = make_training_objects(0)
-    path = ckpt.save_training_checkpoint(tmp_path, step=2, model=model, optimizer=optimizer)
-    with pytest.raises(CheckpointError, match="is a training checkpoint, not a weights file"):
-        ckpt.load_weights(fresh_mlp(1), path)
-    weights_only = ckpt.load_weights_from_training_checkpoint(fresh_mlp(1), path)
-    assert_same_tensors(snapshot(weights_only), snapshot(model))
-
-
-def test_weights_file_is_not_taken_for_a_training_checkpoint(tmp_path):
-    path = ckpt.save_weights(fresh_mlp(0), tmp_path / "weights.pt")
-    model, optimizer, _, _ = make_training_objects(1)
-    with pytest.raises(CheckpointError, match="not a training checkpoint"):
-        ckpt.load_training_checkpoint(path, model=model, optimizer=optimizer)
 
 
 class WritesMarkerWhenUnpickled:
@@ -213,59 +190,82 @@ def test_crafted_pickle_is_refused_and_never_runs(tmp_path):
     assert marker.exists()
 
 
-# ----------------------------------------------------------------- atomic writes
 
 
-def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path):
-    path = tmp_path / "weights.pt"
-    path.write_bytes(b"old and whole")
-
-    def write_half_then_fail(temporary: Path) -> None:
-        temporary.write_bytes(b"new but")
-        raise OSError("disk full")
-
-    with pytest.raises(OSError, match="disk full"):
-        ckpt.atomic_write(path, write_half_then_fail)
-    assert path.read_bytes() == b"old and whole"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.pt"]
+# ----------------------------------------------------------------- errors on types and bytes, not on torch's wording
 
 
-def test_temporary_file_is_never_listed_as_a_checkpoint(tmp_path):
-    (tmp_path / ".step_00000009.pt.tmp-123").write_bytes(b"partial")
-    (tmp_path / "step_00000003.pt").write_bytes(b"")
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000003.pt"]
-    assert ckpt.latest_checkpoint(tmp_path).name == "step_00000003.pt"
+def test_a_weights_only_refusal_is_recognised_by_its_type_whatever_its_wording(tmp_path, monkeypatch):
+    path = ckpt.save_weights(fresh_mlp(0), tmp_path / "weights.pt")
+
+    def refuse(*args, **kwargs):
+        raise pickle.UnpicklingError("some future wording of the refusal")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    with pytest.raises(CheckpointError, match=rf"{path}: refused by torch.load\(weights_only=True\).*future wording"):
+        ckpt.read_torch_file(path)
 
 
-def test_keep_last_deletes_only_older_checkpoints(tmp_path):
-    model, optimizer, _, _ = make_training_objects(0)
-    for step in (1, 2, 3, 4):
-        ckpt.save_training_checkpoint(tmp_path, step=step, model=model, optimizer=optimizer, keep_last=2)
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000003.pt", "step_00000004.pt"]
+def test_bytes_damaged_inside_a_tensor_are_caught_by_the_archive_crc(tmp_path):
+    path = ckpt.save_weights(fresh_gpt(0), tmp_path / "gpt.pt")
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(64)  # zero 64 bytes inside a tensor's data
+    path.write_bytes(bytes(data))
+    torch.load(path, weights_only=True)  # the independent check: torch alone loads the damage silently
+    with pytest.raises(CheckpointError, match=rf"{path}: corrupt torch.save file \(member .*/data/\d+ fails its CRC"):
+        ckpt.read_torch_file(path)
 
 
-# ----------------------------------------------------------------- full training state
+def test_mmap_load_gives_the_same_tensors(tmp_path):
+    path = ckpt.save_weights(fresh_gpt(0), tmp_path / "gpt.pt")
+    assert_same_tensors(ckpt.read_torch_file(path, mmap=True), ckpt.read_torch_file(path))
+
+
+# ----------------------------------------------------------------- training checkpoints
+
+
+def test_training_checkpoint_is_not_taken_for_a_weights_file(tmp_path):
+    trainer = trained()
+    path = ckpt.save_training_checkpoint(tmp_path, trainer.state_dict())
+    with pytest.raises(CheckpointError, match="is a training checkpoint, not a weights file"):
+        ckpt.load_weights(fresh_gpt(1), path)
+    weights_only = ckpt.load_weights_from_training_checkpoint(fresh_gpt(1), path)
+    assert_same_tensors(snapshot(weights_only), snapshot(trainer.model))
+
+
+def test_weights_file_is_not_taken_for_a_training_checkpoint(tmp_path):
+    path = ckpt.save_weights(fresh_gpt(0), tmp_path / "weights.pt")
+    with pytest.raises(CheckpointError, match="not a training checkpoint"):
+        ckpt.load_training_checkpoint(path, fp16_trainer(1))
 
 
 def test_training_checkpoint_loads_with_plain_torch_load_weights_only(tmp_path):
-    model, optimizer, scheduler, scaler = make_training_objects(0)
-    path = ckpt.save_training_checkpoint(
-        tmp_path, step=2, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-        data_state={"batches_consumed": 2}, model_config=SmallModelConfig(), train_config=SmallTrainConfig(),
-        history=[{"step": 1, "loss": 1.5}])
+    trainer = trained(steps=4)  # log_every=3: step 4 is pending
+    path = ckpt.save_training_checkpoint(tmp_path, trainer.state_dict(), data_state={"batches_consumed": 4},
+                                         model_config=SmallModelConfig())
     state = torch.load(path, weights_only=True)
     assert state["model_config"] == {"hidden": 16}
-    assert state["train_config"] == {"lr": 1e-2, "betas": (0.9, 0.95)}
-    assert state["data"] == {"batches_consumed": 2}
+    assert state["data"] == {"batches_consumed": 4}
+    assert state["trainer"]["step"] + state["trainer"]["skipped_steps"] == 4
+    assert state["trainer"]["config"]["precision"] == "fp16"
+    assert set(state["rng"]) == {"python", "numpy", "torch_cpu", "torch_cuda", "torch_mps"}
     assert isinstance(state["rng"]["numpy"]["keys"], torch.Tensor)
 
 
 def test_save_refuses_values_weights_only_cannot_load(tmp_path):
-    model, optimizer, _, _ = make_training_objects(0)
     with pytest.raises(CheckpointError, match=r"state\['data'\]\['order'\]: numpy.ndarray"):
-        ckpt.save_training_checkpoint(tmp_path, step=1, model=model, optimizer=optimizer,
-                                      data_state={"order": np.arange(3)})
+        ckpt.save_training_checkpoint(tmp_path, trained().state_dict(), data_state={"order": np.arange(3)})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_save_refuses_container_subclasses_that_weights_only_refuses(tmp_path):
+    from collections import defaultdict
+
+    state = trained().state_dict()
+    state["history"] = defaultdict(list)
+    with pytest.raises(CheckpointError, match=r"state\['trainer'\]\['history'\]: collections.defaultdict"):
+        ckpt.save_training_checkpoint(tmp_path, state)
 
 
 def test_rng_state_round_trip_repeats_every_generator():
@@ -276,208 +276,202 @@ def test_rng_state_round_trip_repeats_every_generator():
     assert first[0] == again[0] and first[1] == again[1] and torch.equal(first[2], again[2])
 
 
-def test_resume_continues_exactly_like_the_original_objects(tmp_path):
-    """Optimizer moments, schedule, scaler and RNG restored: the next steps match bit for bit."""
-    model, optimizer, scheduler, scaler = make_training_objects(0)
-    path = ckpt.save_training_checkpoint(tmp_path, step=2, model=model, optimizer=optimizer,
-                                         scheduler=scheduler, scaler=scaler)
-    continued = [train_one_step(model, optimizer, scheduler, scaler, torch.Generator().manual_seed(7))
-                 for _ in range(3)]
+def test_resume_continues_exactly_like_the_original_trainer(tmp_path):
+    """Weights, optimizer moments, schedule, scaler, pending losses and RNG: the next steps match bit for bit."""
+    trainer = trained(steps=4)
+    path = ckpt.save_training_checkpoint(tmp_path, trainer.state_dict())
+    continued = [trainer.train_step([token_batch(10 + i)]).loss.item() for i in range(3)]
+    trainer.log()
 
     torch.manual_seed(12345)  # scramble the global RNG the checkpoint must restore
-    other = fresh_mlp(99)
-    other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
-    other_scheduler = torch.optim.lr_scheduler.LambdaLR(other_optimizer, lambda step: 1.0 / (1 + step))
-    other_scaler = torch.amp.GradScaler("cpu")
-    resumed = ckpt.load_training_checkpoint(path, model=other, optimizer=other_optimizer,
-                                            scheduler=other_scheduler, scaler=other_scaler)
-    assert resumed.step == 2
-    assert other_scheduler.last_epoch == 2
-    replayed = [train_one_step(other, other_optimizer, other_scheduler, other_scaler,
-                               torch.Generator().manual_seed(7)) for _ in range(3)]
+    other = fp16_trainer(99)
+    resumed = ckpt.load_training_checkpoint(path, other)
+    assert resumed.step == other.step and resumed.train_config_changes == []
+    replayed = [other.train_step([token_batch(10 + i)]).loss.item() for i in range(3)]
+    other.log()
     assert replayed == continued
-    assert_same_tensors(snapshot(other), snapshot(model))
-
-
-def test_skipped_steps_come_back_with_the_step(tmp_path):
-    model, optimizer, _, _ = make_training_objects(0)
-    path = ckpt.save_training_checkpoint(tmp_path, step=2, skipped_steps=3, model=model, optimizer=optimizer)
-    target, target_optimizer, _, _ = make_training_objects(1)
-    resumed = ckpt.load_training_checkpoint(path, model=target, optimizer=target_optimizer)
-    assert (resumed.step, resumed.skipped_steps) == (2, 3)
+    assert [(r["step"], r["loss"], r["lr"]) for r in other.history] == \
+        [(r["step"], r["loss"], r["lr"]) for r in trainer.history]
+    assert_same_tensors(snapshot(other.model), snapshot(trainer.model))
 
 
 def test_different_model_config_is_refused_and_nothing_is_loaded(tmp_path):
-    model, optimizer, _, _ = make_training_objects(0)
-    path = ckpt.save_training_checkpoint(tmp_path, step=2, model=model, optimizer=optimizer,
-                                         model_config=SmallModelConfig(hidden=16))
-    target, target_optimizer, _, _ = make_training_objects(1)
-    weights_before = snapshot(target)
-    optimizer_before = target_optimizer.state_dict()["state"][0]["exp_avg"].clone()
-    with pytest.raises(CheckpointError, match=rf"(?s){path}: was saved for a different model configuration.*"
+    path = ckpt.save_training_checkpoint(tmp_path, trained().state_dict(), model_config=SmallModelConfig(16))
+    target = trained(seed=1)
+    before = snapshot(target.model)
+    with pytest.raises(CheckpointError, match=rf"(?s){path}: cannot be restored; nothing was loaded.*"
                                               r"hidden: 16 in the checkpoint, 32 now"):
-        ckpt.load_training_checkpoint(path, model=target, optimizer=target_optimizer,
-                                      model_config=SmallModelConfig(hidden=32))
-    assert_same_tensors(snapshot(target), weights_before)
-    assert torch.equal(target_optimizer.state_dict()["state"][0]["exp_avg"], optimizer_before)
+        ckpt.load_training_checkpoint(path, target, model_config=SmallModelConfig(hidden=32))
+    assert_same_tensors(snapshot(target.model), before)
 
 
-def test_different_training_config_is_loaded_and_reported(tmp_path):
-    model, optimizer, _, _ = make_training_objects(0)
-    path = ckpt.save_training_checkpoint(tmp_path, step=2, model=model, optimizer=optimizer,
-                                         train_config=SmallTrainConfig(lr=1e-2))
-    target, target_optimizer, _, _ = make_training_objects(1)
-    resumed = ckpt.load_training_checkpoint(path, model=target, optimizer=target_optimizer,
-                                            train_config=SmallTrainConfig(lr=3e-3))
-    assert resumed.train_config_changes == ["lr: 0.01 in the checkpoint, 0.003 now"]
-    assert_same_tensors(snapshot(target), snapshot(model))
+def test_a_changed_learning_rate_is_applied_and_reported(tmp_path):
+    path = ckpt.save_training_checkpoint(tmp_path, trained(lr=1e-2).state_dict())
+    target = fp16_trainer(1, lr=3e-3)
+    resumed = ckpt.load_training_checkpoint(path, target)
+    assert "lr: 0.01 in the checkpoint, 0.003 now" in resumed.train_config_changes
+    assert target.scheduler.base_lrs == [3e-3, 3e-3]
 
 
 def test_optimizer_of_another_shape_is_refused_before_the_model_changes(tmp_path):
-    model, optimizer, _, _ = make_training_objects(0)
-    path = ckpt.save_training_checkpoint(tmp_path, step=2, model=model, optimizer=optimizer)
-    target = fresh_mlp(1)
-    split = torch.optim.AdamW([{"params": [target.fc1.weight, target.fc1.bias]},
-                               {"params": [target.fc2.weight, target.fc2.bias]}])
-    before = snapshot(target)
-    with pytest.raises(CheckpointError, match="optimizer: 1 parameter groups in the file, 2 now"):
-        ckpt.load_training_checkpoint(path, model=target, optimizer=split)
-    assert_same_tensors(snapshot(target), before)
+    path = ckpt.save_training_checkpoint(tmp_path, trained().state_dict())
+    model = fresh_gpt(1)
+    one_group = torch.optim.AdamW(model.parameters())
+    target = Trainer(model, TrainConfig(precision="fp16"), torch.device("cpu"), optimizer=one_group)
+    before = snapshot(model)
+    with pytest.raises(CheckpointError, match="optimizer: 2 parameter groups in the state, 1 now"):
+        ckpt.load_training_checkpoint(path, target)
+    assert_same_tensors(snapshot(model), before)
 
 
-def test_missing_scheduler_is_refused(tmp_path):
-    model, optimizer, scheduler, _ = make_training_objects(0)
-    path = ckpt.save_training_checkpoint(tmp_path, step=2, model=model, optimizer=optimizer, scheduler=scheduler)
-    target, target_optimizer, _, _ = make_training_objects(1)
-    with pytest.raises(CheckpointError, match="scheduler: the file has one"):
-        ckpt.load_training_checkpoint(path, model=target, optimizer=target_optimizer)
+# ----------------------------------------------------------------- issue 9.1: everything checked before anything changes
 
 
-# ----------------------------------------------------------------- safetensors and big-model loading
+def damaged(path: Path, damage) -> Path:
+    state = torch.load(path, weights_only=True)
+    damage(state)
+    torch.save(state, path)
+    return path
 
 
-def test_safetensors_round_trip_keeps_tied_weights_stored_once(tmp_path):
-    original = fresh_gpt(0)
-    path = ckpt.save_safetensors(original, tmp_path / "gpt.safetensors")
-    with safetensors.safe_open(path, framework="pt") as handle:
-        stored = set(handle.keys())
-    assert len(stored) == len(original.state_dict()) - 1  # the tied head is stored once, as an alias
-    loaded = ckpt.load_safetensors(fresh_gpt(1), path)
-    assert loaded.lm_head.weight is loaded.token_embedding.weight
-    assert_same_tensors(snapshot(loaded), snapshot(original))
+DAMAGES = {
+    "no-trainer": (lambda s: s.pop("trainer"), r"training checkpoint without 'trainer'"),
+    "no-rng": (lambda s: s.pop("rng"), r"training checkpoint without 'rng'"),
+    "trainer-not-a-dict": (lambda s: s.update(trainer=[1, 2]), r"'trainer' is a list, expected a dict"),
+    "no-optimizer": (lambda s: s["trainer"].pop("optimizer"), r"trainer state has no 'optimizer'"),
+    "optimizer-none": (lambda s: s["trainer"].update(optimizer=None), r"optimizer: a NoneType, expected a dict"),
+    "no-step": (lambda s: s["trainer"].pop("step"), r"trainer state has no 'step'"),
+    "step-a-string": (lambda s: s["trainer"].update(step="3"), r"step: '3', expected an int"),
+    "no-model": (lambda s: s["trainer"].pop("model"), r"trainer state has no 'model'"),
+    "python-rng-short": (lambda s: s["rng"]["python"].update(words=torch.zeros(10, dtype=torch.int64)),
+                         r"rng\['python'\]: cannot be restored"),
+    "torch-rng-short": (lambda s: s["rng"].update(torch_cpu=torch.zeros(10, dtype=torch.uint8)),
+                        r"rng\['torch_cpu'\]: cannot be restored"),
+    "numpy-rng-short": (lambda s: s["rng"]["numpy"].update(keys=torch.zeros(5, dtype=torch.int64)),
+                        r"rng\['numpy'\]: cannot be restored"),
+    "rng-missing-mps": (lambda s: s["rng"].pop("torch_mps"), r"rng: expected a dict with"),
+}
 
 
-def test_plain_safetensors_refuses_shared_tensors(tmp_path):
-    import safetensors.torch
-
-    with pytest.raises(RuntimeError, match="share memory"):
-        safetensors.torch.save_file(fresh_gpt(0).state_dict(), tmp_path / "plain.safetensors")
-
-
-def test_truncated_safetensors_is_refused_with_its_path(tmp_path):
-    path = ckpt.save_safetensors(fresh_mlp(0), tmp_path / "weights.safetensors")
-    data = path.read_bytes()
-    path.write_bytes(data[:-100])
-    with pytest.raises(CheckpointError, match=rf"{path}: unreadable safetensors file"):
-        ckpt.load_safetensors(fresh_mlp(1), path)
-
-
-def test_sharded_safetensors_index_maps_every_tensor(tmp_path):
-    original = fresh_gpt(0)
-    max_bytes = 20_000
-    index_path = ckpt.save_sharded_safetensors(original, tmp_path / "sharded", max_shard_bytes=max_bytes)
-    index = json.loads(index_path.read_text())
-    shards = sorted(set(index["weight_map"].values()))
-    assert len(shards) > 1
-    stored = set(index["weight_map"]) | set(index["metadata"][ckpt.ALIASES_KEY])
-    assert stored == set(original.state_dict())
-    expected_total = sum(t.numel() * t.element_size() for n, t in original.state_dict().items()
-                         if n not in index["metadata"][ckpt.ALIASES_KEY])
-    assert index["metadata"]["total_size"] == expected_total
-    for shard in shards:
-        with safetensors.safe_open(tmp_path / "sharded" / shard, framework="pt") as handle:
-            sizes = [handle.get_tensor(n).numel() * 4 for n in handle.keys()]
-        assert sum(sizes) <= max_bytes or len(sizes) == 1
-    loaded = ckpt.load_safetensors(fresh_gpt(1), tmp_path / "sharded")
-    assert_same_tensors(snapshot(loaded), snapshot(original))
-
-
-def test_load_on_meta_gives_the_same_model_without_initialising_it(tmp_path):
-    original = fresh_gpt(0)
-    path = ckpt.save_weights(original, tmp_path / "gpt.pt")
-    built = []
-
-    def build() -> GPT:
-        built.append(GPT(TINY_GPT))
-        assert built[-1].token_embedding.weight.is_meta  # no memory, no initialisation
-        return built[-1]
-
-    loaded = ckpt.load_on_meta(build, ckpt.read_torch_file(path, mmap=True), path)
-    assert ckpt.meta_tensors(loaded) == []
-    assert loaded.lm_head.weight is loaded.token_embedding.weight
-    tokens = torch.randint(0, TINY_GPT.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(loaded.eval()(tokens), original.eval()(tokens))
-
-
-def test_building_everything_on_meta_leaves_unsaved_buffers_without_values(tmp_path):
-    path = ckpt.save_weights(fresh_gpt(0), tmp_path / "gpt.pt")
-    with torch.device("meta"):
-        model = GPT(TINY_GPT)
-    model.load_state_dict(ckpt.read_torch_file(path), assign=True)
-    assert set(ckpt.meta_tensors(model)) == {"causal_mask", "rope_cos", "rope_sin"}
-
-
-def test_mmap_load_gives_the_same_tensors(tmp_path):
-    original = fresh_gpt(0)
-    path = ckpt.save_weights(original, tmp_path / "gpt.pt")
-    assert_same_tensors(ckpt.read_torch_file(path, mmap=True), ckpt.read_torch_file(path))
-
-
-def test_temporary_name_is_in_the_same_folder():
-    # os.replace is only atomic within one file system: the temporary must sit next to the target
-    path = Path("/some/folder/step_00000001.pt")
-    assert ckpt.temporary_path(path).parent == path.parent
-    assert not ckpt.CHECKPOINT_PATTERN.match(ckpt.temporary_path(path).name)
-    assert str(os.getpid()) in ckpt.temporary_path(path).name
+@pytest.mark.parametrize("name", list(DAMAGES))
+def test_a_damaged_checkpoint_names_the_file_and_changes_nothing(tmp_path, name):
+    damage, message = DAMAGES[name]
+    path = damaged(ckpt.save_training_checkpoint(tmp_path, trained(steps=4).state_dict()), damage)
+    target = trained(seed=1, steps=1)
+    weights, optimizer_state = snapshot(target.model), copy.deepcopy(target.optimizer.state_dict())
+    scheduler_state, step, history = target.scheduler.state_dict(), target.step, list(target.history)
+    rng = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match=rf"(?s){path}: .*{message}"):
+        ckpt.load_training_checkpoint(path, target)
+    assert_same_tensors(snapshot(target.model), weights)
+    after = target.optimizer.state_dict()
+    assert after["param_groups"] == optimizer_state["param_groups"]
+    for index, entries in optimizer_state["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(after["state"][index][key], value), f"optimizer {index}.{key} changed"
+    assert target.scheduler.state_dict() == scheduler_state
+    assert (target.step, target.history) == (step, history)
+    assert torch.equal(torch.get_rng_state(), rng), "the global generator changed"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_rng_states_on_a_machine_without_cuda_are_refused_before_loading(tmp_path):
-    model, optimizer, _, _ = make_training_objects(0)
-    path = ckpt.save_training_checkpoint(tmp_path, step=2, model=model, optimizer=optimizer)
-    state = torch.load(path, weights_only=True)
-    state["rng"]["torch_cuda"] = [torch.zeros(16, dtype=torch.uint8)]  # as if saved on one GPU
-    torch.save(state, path)
-    target, target_optimizer, _, _ = make_training_objects(1)
-    before = snapshot(target)
-    with pytest.raises(CheckpointError, match="rng: states for 1 CUDA devices in the file, 0 here"):
-        ckpt.load_training_checkpoint(path, model=target, optimizer=target_optimizer)
-    assert_same_tensors(snapshot(target), before)
+    path = damaged(ckpt.save_training_checkpoint(tmp_path, trained().state_dict()),
+                   lambda s: s["rng"].update(torch_cuda=[torch.zeros(16, dtype=torch.uint8)]))
+    target = trained(seed=1)
+    before = snapshot(target.model)
+    with pytest.raises(CheckpointError, match=r"rng\['torch_cuda'\]: states for 1 CUDA devices in the file, 0 here"):
+        ckpt.load_training_checkpoint(path, target)
+    assert_same_tensors(snapshot(target.model), before)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_restoring_foreign_cuda_rng_states_changes_no_generator():
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="needs a machine without MPS")
+def test_an_mps_rng_state_on_a_machine_without_mps_is_refused():
     state = ckpt.capture_rng_state()
-    state["torch_cuda"] = [torch.zeros(16, dtype=torch.uint8)]  # as if captured on one GPU
+    state["torch_mps"] = torch.zeros(16, dtype=torch.uint8)
+    assert ckpt.rng_state_problems(state) == ["rng['torch_mps']: an MPS state in the file, no MPS device here"]
+
+
+def test_restoring_a_bad_rng_state_changes_no_generator():
+    state = ckpt.capture_rng_state()
+    state["torch_cpu"] = torch.zeros(3, dtype=torch.uint8)  # torch's generator would refuse it last
     random.seed(1)
     expected = random.getstate()
-    with pytest.raises(CheckpointError, match="rng: states for 1 CUDA devices in the file, 0 here"):
+    with pytest.raises(CheckpointError, match=r"test: the random states cannot be restored"):
         ckpt.restore_rng_state(state, "test")
     assert random.getstate() == expected  # Python's generator, restored first otherwise, is untouched
 
 
-def test_save_refuses_container_subclasses_that_weights_only_refuses(tmp_path):
-    from collections import defaultdict
-
-    model, optimizer, _, _ = make_training_objects(0)
-    with pytest.raises(CheckpointError, match=r"state\['history'\]: collections.defaultdict"):
-        ckpt.save_training_checkpoint(tmp_path, step=1, model=model, optimizer=optimizer,
-                                      history=defaultdict(list))
+# ----------------------------------------------------------------- issue 9.2: rotation
 
 
-def test_a_long_list_of_missing_keys_is_cut_short_with_its_count(tmp_path):
-    ckpt.save_weights(fresh_gpt(0), tmp_path / "gpt.pt")
-    much_deeper = fresh_gpt(1, GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=2, d_model=32))
-    missing = 6 * 12  # six extra blocks of 12 tensors each
-    with pytest.raises(CheckpointError, match=rf"{missing} missing keys .* and {missing - ckpt.LISTED_KEYS} more"):
-        ckpt.load_weights(much_deeper, tmp_path / "gpt.pt")
+def test_keep_last_deletes_only_older_checkpoints(tmp_path):
+    trainer = trained()
+    for _ in range(4):
+        ckpt.save_training_checkpoint(tmp_path, trainer.state_dict(), keep_last=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [
+        ckpt.checkpoint_name(3, trainer.step), ckpt.checkpoint_name(4, trainer.step)]
+
+
+def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
+    """A leftover of a higher step (an earlier run) must not outrank the checkpoint saved now."""
+    later = trained(steps=4)
+    leftover = ckpt.save_training_checkpoint(tmp_path, later.state_dict())
+    earlier = trained(steps=2)
+    path = ckpt.save_training_checkpoint(tmp_path, earlier.state_dict(), keep_last=1)
+    assert ckpt.checkpoint_step(leftover) > ckpt.checkpoint_step(path)
+    assert path.exists() and not leftover.exists()
+    assert ckpt.latest_checkpoint(tmp_path) == path
+    assert ckpt.read_training_checkpoint(path)["trainer"]["step"] == earlier.step
+
+
+def test_saving_the_same_step_twice_keeps_both_files_in_order(tmp_path):
+    trainer = trained()
+    first = ckpt.save_training_checkpoint(tmp_path, trainer.state_dict(), keep_last=2)
+    second = ckpt.save_training_checkpoint(tmp_path, trainer.state_dict(), keep_last=2)
+    assert first != second and ckpt.list_checkpoints(tmp_path) == [first, second]
+
+
+def test_temporary_file_is_never_listed_as_a_checkpoint(tmp_path):
+    (tmp_path / f".{ckpt.checkpoint_name(9, 9)}.tmp-abc123").write_bytes(b"partial")
+    (tmp_path / ckpt.checkpoint_name(3, 3)).write_bytes(b"")
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [ckpt.checkpoint_name(3, 3)]
+
+
+def test_a_successful_save_removes_leftover_temporaries(tmp_path):
+    leftover = tmp_path / f".{ckpt.checkpoint_name(1, 2)}.tmp-abc123"
+    leftover.write_bytes(b"half a checkpoint")
+    ckpt.save_training_checkpoint(tmp_path, trained().state_dict())
+    assert not leftover.exists()
+
+
+# ----------------------------------------------------------------- issue 9.3: a full disk names the file
+
+
+def full_disk(kind: str):
+    def save(obj, destination, *args, **kwargs):
+        Path(destination).write_bytes(b"PK\x03\x04 the first bytes")
+        if kind == "torch":  # what torch.save raises when its writer hits ENOSPC
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4416 vs 4310")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return save
+
+
+@pytest.mark.parametrize("kind", ["torch", "oserror"])
+def test_a_full_disk_during_a_checkpoint_names_the_file_and_keeps_the_previous_one(tmp_path, monkeypatch, kind):
+    trainer = trained()
+    previous = ckpt.save_training_checkpoint(tmp_path, trainer.state_dict())
+    monkeypatch.setattr(torch, "save", full_disk(kind))
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}/{ckpt.checkpoint_name(2, trainer.step)}: "
+                                              r"could not be written .*disk full"):
+        ckpt.save_training_checkpoint(tmp_path, trainer.state_dict(), keep_last=1)
+    monkeypatch.undo()
+    assert sorted(tmp_path.iterdir()) == [previous], "the previous checkpoint stays; no temporary is left"
+    assert not any(is_temporary(path) for path in tmp_path.iterdir())
+    assert ckpt.read_training_checkpoint(previous)["trainer"]["step"] == trainer.step
+
+
+def test_a_full_disk_during_save_weights_names_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch, "save", full_disk("torch"))
+    with pytest.raises(CheckpointError, match=rf"{tmp_path / 'w.pt'}: could not be written"):
+        ckpt.save_weights(fresh_mlp(0), tmp_path / "w.pt")

@@ -22,10 +22,11 @@ import hashlib
 import os
 import shutil
 import sys
-import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from torchbook.files import atomic_write
 
 DATA_VARIABLE = "BOOK_DATA_DIR"
 CACHE_VARIABLE = "BOOK_CACHE_DIR"
@@ -140,31 +141,30 @@ def verify(path: Path, expected_sha256: str) -> None:
 def download(spec: DataFile, root: Path, url: str | None = None) -> Path:
     """Download ``spec`` into ``root``, unpack it if gzipped, verify it, then move it into place.
 
-    The file appears under its final name only after it has been verified, so an
-    interrupted or corrupt download never looks like a good one.
+    The bytes go to a temporary next to the target through
+    ``torchbook.files.atomic_write`` (unique name, fsync, rename, fsync of the
+    folder), and the SHA-256 is checked before the rename: the file appears
+    under its final name only once it is whole and verified, so an interrupted
+    or corrupt download never looks like a good one.
     """
     source = url or spec.url
     target = root / spec.path
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial_name = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".partial")
-    partial = Path(partial_name)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            with urllib.request.urlopen(source, timeout=DOWNLOAD_TIMEOUT_S) as response:
-                stream = gzip.GzipFile(fileobj=response) if spec.gzipped else response
-                shutil.copyfileobj(stream, out, CHUNK_BYTES)
-        actual = sha256_of(partial)
+
+    def fetch_and_verify(temporary: Path) -> None:
+        with open(temporary, "wb") as out, urllib.request.urlopen(source, timeout=DOWNLOAD_TIMEOUT_S) as response:
+            stream = gzip.GzipFile(fileobj=response) if spec.gzipped else response
+            shutil.copyfileobj(stream, out, CHUNK_BYTES)
+        actual = sha256_of(temporary)
         if actual != spec.sha256:
             raise DataError(
                 f"{target}: downloaded from {source}, SHA-256 is {actual}, "
                 f"expected {spec.sha256}; the file was not kept."
             )
-        os.replace(partial, target)
-    except OSError as error:
+
+    try:
+        return atomic_write(target, fetch_and_verify)
+    except OSError as error:  # network errors (URLError) and disk errors alike
         raise DataError(f"{target}: could not download {source}: {error}") from error
-    finally:
-        partial.unlink(missing_ok=True)
-    return target
 
 
 def ensure(name: str, mirror: str | None = None) -> Path:

@@ -1,64 +1,70 @@
-"""Save and load model weights and the full training state, safely and exactly.
+"""Exact resume: weights and the full training state, saved atomically and refused when bad.
 
-Two kinds of file serve two purposes:
+Two kinds of ``torch.save`` file:
 
-- **Weights** (``save_weights`` / ``load_weights``, and ``save_safetensors`` /
-  ``load_safetensors`` to publish): the model's ``state_dict`` and nothing else.
-  This is what you hand to someone who will run or fine-tune the model.
+- **Weights** (``save_weights`` / ``load_weights``): the model's ``state_dict``
+  and nothing else. (To publish weights, see ``torchbook.weights``: safetensors.)
 - **Training checkpoints** (``save_training_checkpoint`` /
   ``load_training_checkpoint``): everything a run needs to continue as if it had
-  never stopped: model, optimizer, learning-rate scheduler, ``GradScaler``, step
-  (and the fp16 steps the scaler skipped), random-number-generator states
-  (Python, NumPy, torch CPU and CUDA), the data stream's position, the loss
-  history and both configurations.
+  never stopped: the trainer's ``state_dict()`` (model, optimizer, scheduler,
+  scaler, step, skipped steps, history, losses not yet logged, its config),
+  the random-number generators (Python, NumPy, torch CPU, CUDA and MPS), the
+  data stream's position and the model configuration.
 
 Rules every function here keeps:
 
-- **Files load with ``torch.load(..., weights_only=True)``**: they hold only
-  tensors and plain values (numbers, strings, lists, tuples, dicts), so loading
-  never runs code from the file. Saving refuses anything else, naming the key.
-- **Writes are atomic**: a temporary file in the same folder, ``fsync``, rename
-  over the final name, ``fsync`` of the folder. A crash during a save leaves the
-  previous file whole; the half-written temporary never has a checkpoint's name.
-- **Errors name the file and the problem, and are raised before anything is
-  copied into the model**, so a refused load never leaves a half-loaded model.
+- **Files load with ``torch.load(..., weights_only=True)``**: only tensors and
+  plain values, so loading never runs code from the file. Saving refuses
+  anything else, naming the key.
+- **One atomic writer** (``torchbook.files.atomic_write``): a crash during a
+  save leaves the previous checkpoint whole.
+- **Everything is checked before anything changes**: a refused load leaves
+  model, optimizer, generators and data position as they were, and every error
+  names the file (``CheckpointError``).
+- **Rotation keeps the newest written.** Each checkpoint's name carries a save
+  sequence number, one more than the highest in the folder, next to its step
+  (``ckpt-000007-step-00000042.pt``). "Latest" and "keep the last N" go by that
+  sequence, never by step or file time, so a run restarted from an older step
+  never has its new checkpoint deleted in favour of an old one with a higher
+  step. One process writes to a folder at a time.
 
-This module imports neither the training loop nor the data pipeline: it takes
-the objects (model, optimizer, ...) and the data position as a plain dict.
+**What else exact resume depends on.** The checkpoint restores every state a
+run holds, but the run must also be deterministic: the same operations in the
+same order (``torch.use_deterministic_algorithms(True)``, a fixed number of CPU
+threads, the same device and library versions). A ``DataLoader`` with
+``shuffle=True`` or workers draws its base seed from the *global* torch
+generator each time it is iterated, so iterate it after ``restore_rng_state``
+(or give it its own ``generator``), and restore its position from the data
+state, as ``examples/resume_demo.py`` does with the ``TokenStream``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
-import os
+import pickle
 import random
 import re
+import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import safetensors
-import safetensors.torch
 import torch
 from torch import nn
 
+from torchbook.files import atomic_write, is_temporary
+
 # Written into every training checkpoint so a file of another kind is recognised.
 TRAINING_FORMAT = "torchbook.training_checkpoint"
-TRAINING_FORMAT_VERSION = 1
-# Training checkpoints are named step_00000042.pt, so sorting names sorts steps.
-CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8})\.pt$")
-# A save in progress writes ".<final name>.tmp-<pid>"; it never matches CHECKPOINT_PATTERN.
-TEMPORARY_MARKER = ".tmp-"
+TRAINING_FORMAT_VERSION = 2
+CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d{6,})-step-(\d{8,})\.pt$")
+CHECKPOINT_KEYS = ("format", "format_version", "trainer", "rng", "data", "model_config")
+RNG_KEYS = ("python", "numpy", "torch_cpu", "torch_cuda", "torch_mps")
 # Prefixes that wrappers add to every key: torch.compile's OptimizedModule and DDP.
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
-# safetensors metadata key (and index metadata key) recording tied tensors.
-ALIASES_KEY = "torchbook.aliases"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 SNIFF_BYTES = 16
 LISTED_KEYS = 12  # an error lists at most this many missing or unexpected keys
 
@@ -67,50 +73,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read as asked; the message names the file and the problem."""
 
 
-# --------------------------------------------------------------------------- atomic writes
-
-
-def _fsync_path(path: Path) -> None:
-    """Flush a file's (or folder's) data and metadata to the disk."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def temporary_path(path: Path) -> Path:
-    """Where a save of ``path`` writes first: hidden, same folder (so the rename is atomic)."""
-    return path.parent / f".{path.name}{TEMPORARY_MARKER}{os.getpid()}"
-
-
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Write a file so that a crash at any moment leaves either the old file or the new one, whole.
-
-    ``write(temporary)`` writes the content to a temporary path in the same
-    folder; then the temporary is fsync'd (its bytes are on the disk), renamed
-    over ``path`` (``os.replace`` is atomic within a file system) and the
-    folder is fsync'd (the rename itself is on the disk).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_path(path)
-    try:
-        write(temporary)
-        _fsync_path(temporary)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    _fsync_path(path.parent)
-    return path
-
-
-# --------------------------------------------------------------------------- reading files
+# --------------------------------------------------------------------------- reading torch files
 
 
 def file_kind(path: str | Path) -> str:
-    """Guess what a file is from its first bytes: "torch", "torch-legacy", "safetensors", "empty" or "unknown".
+    """What a file is, from its bytes: "torch", "torch-legacy", "safetensors", "empty" or "unknown".
 
     ``torch.save`` writes a zip archive (starts with ``PK``); before PyTorch 1.6
     it wrote a bare pickle (starts with protocol byte 0x80). A safetensors file
@@ -129,75 +96,74 @@ def file_kind(path: str | Path) -> str:
     return "unknown"
 
 
-def _require_file(path: Path) -> None:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
+def read_torch_file(path: str | Path, *, mmap: bool = False, verify: bool = True) -> Any:
+    """``torch.load(path, map_location="cpu", weights_only=True)`` with errors that name the file.
 
-
-def read_torch_file(path: str | Path, *, mmap: bool = False) -> Any:
-    """``torch.load(path, map_location="cpu", weights_only=True)``, with errors that name the file and the problem.
-
-    ``weights_only=True`` only rebuilds tensors and plain values, so a file that
-    would run code (a pickled object whose ``__reduce__`` calls a function) is
-    refused instead of executed. ``mmap=True`` maps the tensors' bytes from the
-    file instead of reading them: loading is immediate and the pages are read
-    when the tensors are first used.
+    The file's kind and completeness are judged from its own bytes (the zip
+    archive's end record, its members' CRCs) and torch's refusal by its
+    exception type; torch's text is kept as detail. ``torch.load`` does not
+    check the CRCs, so bytes damaged inside a tensor would load silently:
+    ``verify=True`` checks them first (one extra read of the file; pass False
+    for a huge file you trust). ``mmap=True`` maps the tensors' bytes from the
+    file: loading is immediate, pages are read on use.
     """
     path = Path(path)
-    _require_file(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
     kind = file_kind(path)
     if kind == "empty":
         raise CheckpointError(f"{path}: the file is empty (0 bytes); was the save interrupted?")
     if kind == "safetensors":
-        raise CheckpointError(
-            f"{path}: is a safetensors file, not a torch.save file; read it with load_safetensors()"
-        )
+        raise CheckpointError(f"{path}: is a safetensors file, not a torch.save file; "
+                              "read it with torchbook.weights.read_safetensors()")
     if kind == "unknown":
         with open(path, "rb") as handle:
             head = handle.read(SNIFF_BYTES)
-        raise CheckpointError(
-            f"{path}: not a file written by torch.save (it starts with {head!r}; "
-            "expected a zip archive starting with b'PK\\x03\\x04')"
-        )
+        raise CheckpointError(f"{path}: not a file written by torch.save (it starts with {head!r}; "
+                              "expected a zip archive starting with b'PK\\x03\\x04')")
+    if kind == "torch" and not zipfile.is_zipfile(path):  # the archive's end record is missing
+        raise CheckpointError(f"{path}: truncated torch.save archive ({path.stat().st_size:,} bytes, "
+                              "no zip end record); was the write interrupted?")
+    if kind == "torch" and verify:
+        damage = _damaged_member(path)
+        if damage:
+            raise CheckpointError(f"{path}: corrupt torch.save file{damage}; the bytes changed after it was written")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as error:  # torch raises RuntimeError, UnpicklingError, KeyError... by case
-        text = str(error).strip()
-        # torch's first sentence says what failed; the rest is general advice
-        message = text.splitlines()[0].split(". ")[0] if text else type(error).__name__
-        if "central directory" in message or "zip archive" in message:
-            raise CheckpointError(
-                f"{path}: truncated or corrupt torch.save archive ({os.path.getsize(path):,} bytes; "
-                f"{message}); was the write interrupted?"
-            ) from error
-        if "Weights only load failed" in text:
-            detail = next((line.strip().split(". ")[0] for line in text.splitlines()
-                           if "unsupported" in line.lower() and "global" in line.lower()), message)
-            raise CheckpointError(
-                f"{path}: refused by torch.load(weights_only=True): {detail}. The file holds "
-                "objects other than tensors and plain values, and rebuilding them could run code; "
-                "only load it with weights_only=False if you made the file yourself."
-            ) from error
-        raise CheckpointError(f"{path}: torch.load failed: {type(error).__name__}: {message}") from error
+    except pickle.UnpicklingError as error:  # weights_only met something other than tensors and plain values
+        lines = str(error).splitlines()
+        detail = next((line.strip() for line in lines if "global" in line.lower()), lines[0] if lines else "")
+        raise CheckpointError(
+            f"{path}: refused by torch.load(weights_only=True): the file holds objects other than tensors "
+            f"and plain values, and rebuilding them could run code; load it with weights_only=False only "
+            f"if you made the file yourself. (torch: {detail})") from error
+    except Exception as error:  # torch raises RuntimeError, KeyError, ... depending on the damage
+        detail = (str(error).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path}: corrupt torch.save file{_damaged_member(path)}: "
+                              f"{type(error).__name__}: {detail}") from error
+
+
+def _damaged_member(path: Path) -> str:
+    """`` (member X fails its CRC)`` when the zip archive says a member's bytes changed, else ``""``."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as error:
+        return f" (unreadable zip archive: {error})"
+    return f" (member {bad} fails its CRC check)" if bad else ""
 
 
 # --------------------------------------------------------------------------- weights
 
 
-def unwrap_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop the key prefix that a wrapper adds: ``_orig_mod.`` (torch.compile) or ``module.`` (DDP).
-
-    A compiled or DDP-wrapped model saves every key with its wrapper's prefix,
-    and the plain model that loads the file later knows none of them. A prefix
-    is removed only when every key carries it, so a model that merely has a
-    submodule called ``module`` keeps its names.
-    """
+def unwrap_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop the key prefix a wrapper adds (``_orig_mod.``: torch.compile, ``module.``: DDP) when all keys have it."""
     unwrapped = dict(state_dict)
     stripped = True
     while stripped and unwrapped:
         stripped = False
         for prefix in WRAPPER_PREFIXES:
-            if all(key.startswith(prefix) for key in unwrapped):
+            if all(isinstance(key, str) and key.startswith(prefix) for key in unwrapped):
                 unwrapped = {key[len(prefix):]: value for key, value in unwrapped.items()}
                 stripped = True
     return unwrapped
@@ -215,33 +181,31 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def _first_few(keys: list[str]) -> str:
-    """The keys, or the first LISTED_KEYS of them and how many more (an LLM has hundreds)."""
     shown = ", ".join(keys[:LISTED_KEYS])
     return shown if len(keys) <= LISTED_KEYS else f"{shown} and {len(keys) - LISTED_KEYS} more"
 
 
 def state_dict_problems(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
-    """Every way ``state_dict`` does not fit ``model``: missing and unexpected keys, shapes, dtypes.
+    """Missing and unexpected keys, and tensors of another shape or dtype; empty when it loads unchanged.
 
-    Empty when ``model.load_state_dict(state_dict, strict=True)`` would copy every
-    tensor unchanged. ``load_state_dict`` itself copies the keys that fit and
-    raises only at the end, leaving a half-loaded model; checking first avoids that.
+    ``load_state_dict`` itself copies the keys that fit before it raises,
+    leaving a half-loaded model; checking first avoids that.
     """
     expected = unwrap_model(model).state_dict()
-    problems = []
     missing = [key for key in expected if key not in state_dict]
-    unexpected = [key for key in state_dict if key not in expected]
+    unexpected = [str(key) for key in state_dict if key not in expected]
+    problems = []
     if missing:
         problems.append(f"{len(missing)} missing keys (in the model, not in the file): {_first_few(missing)}")
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected keys (in the file, not in the model): {_first_few(unexpected)}")
     for key, target in expected.items():
         source = state_dict.get(key)
-        if not isinstance(source, torch.Tensor):
-            if key in state_dict:
-                problems.append(f"{key}: file has a {type(source).__name__}, expected a tensor")
+        if key not in state_dict:
             continue
-        if source.shape != target.shape:
+        if not isinstance(source, torch.Tensor):
+            problems.append(f"{key}: file has a {type(source).__name__}, expected a tensor")
+        elif source.shape != target.shape:
             problems.append(f"{key}: shape {tuple(source.shape)} in the file, {tuple(target.shape)} in the model")
         elif source.dtype != target.dtype:
             problems.append(f"{key}: dtype {source.dtype} in the file, {target.dtype} in the model")
@@ -249,38 +213,37 @@ def state_dict_problems(model: nn.Module, state_dict: Mapping[str, Any]) -> list
 
 
 def check_state_dict(model: nn.Module, state_dict: Mapping[str, Any], source: str | Path) -> None:
-    """Raise CheckpointError naming ``source`` and listing every problem, unless ``state_dict`` fits ``model``."""
+    """Raise CheckpointError naming ``source`` and every problem, unless ``state_dict`` fits ``model``."""
     problems = state_dict_problems(model, state_dict)
     if problems:
-        listing = "\n  ".join(problems)
-        raise CheckpointError(
-            f"{source}: does not fit {type(unwrap_model(model)).__name__} "
-            f"(architecture mismatch); nothing was loaded:\n  {listing}"
-        )
+        raise CheckpointError(f"{source}: does not fit {type(unwrap_model(model)).__name__} (architecture "
+                              "mismatch); nothing was loaded:\n  " + "\n  ".join(problems))
+
+
+def _write_torch(path: Path, value: Any) -> Path:
+    """``torch.save`` through ``atomic_write``; a failed write (a full disk) raises CheckpointError naming ``path``."""
+    try:
+        return atomic_write(path, lambda temporary: torch.save(value, temporary))
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
+        detail = (str(error).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path}: could not be written ({type(error).__name__}: {detail}); "
+                              "is the disk full? The previous file, if any, is unchanged") from error
 
 
 def save_weights(model: nn.Module, path: str | Path) -> Path:
     """Save the model's ``state_dict`` (wrapper prefixes removed) atomically with ``torch.save``."""
-    state_dict = unwrap_state_dict(model.state_dict())
-    return atomic_write(path, lambda temporary: torch.save(state_dict, temporary))
+    return _write_torch(Path(path), unwrap_state_dict(model.state_dict()))
 
 
 def load_weights(model: nn.Module, path: str | Path, *, mmap: bool = False) -> nn.Module:
-    """Load weights saved by ``save_weights`` (or any ``torch.save(state_dict)``) into ``model``.
-
-    Keys, shapes and dtypes are all checked before the first tensor is copied,
-    so on any error the model is unchanged. Prefixes from torch.compile or DDP
-    are removed from the file's keys, and ``model`` may itself be compiled.
-    """
+    """Load weights saved by ``save_weights`` (or any ``torch.save(state_dict)``) into ``model``, checked first."""
     path = Path(path)
     state_dict = read_torch_file(path, mmap=mmap)
     if not isinstance(state_dict, Mapping):
         raise CheckpointError(f"{path}: holds a {type(state_dict).__name__}, expected a state_dict (a dict of tensors)")
     if state_dict.get("format") == TRAINING_FORMAT:
-        raise CheckpointError(
-            f"{path}: is a training checkpoint, not a weights file; use load_training_checkpoint(), "
-            "or load_weights_from_training_checkpoint() for the model alone"
-        )
+        raise CheckpointError(f"{path}: is a training checkpoint, not a weights file; use "
+                              "load_training_checkpoint(), or load_weights_from_training_checkpoint()")
     state_dict = unwrap_state_dict(state_dict)
     check_state_dict(model, state_dict, path)
     unwrap_model(model).load_state_dict(state_dict, strict=True)
@@ -301,26 +264,17 @@ def plain_value_problems(value: Any, where: str = "state") -> list[str]:
     if isinstance(value, _PLAIN_TYPES):
         return []
     if type(value) in _PLAIN_MAPPINGS:
-        problems = [f"{where}: key {key!r} is a {type(key).__name__}"
-                    for key in value if not isinstance(key, (str, int))]
+        problems = [f"{where}: key {key!r} is a {type(key).__name__}" for key in value if not isinstance(key, (str, int))]
         for key, item in value.items():
             problems += plain_value_problems(item, f"{where}[{key!r}]")
         return problems
     if type(value) in _PLAIN_SEQUENCES:
-        problems = []
-        for index, item in enumerate(value):
-            problems += plain_value_problems(item, f"{where}[{index}]")
-        return problems
+        return [problem for index, item in enumerate(value) for problem in plain_value_problems(item, f"{where}[{index}]")]
     return [f"{where}: {type(value).__module__}.{type(value).__qualname__} is not a tensor or a plain value"]
 
 
 def config_as_dict(config: Any) -> dict[str, Any] | None:
-    """A configuration as a dict of plain values: a dataclass via ``asdict``, a mapping copied, None kept.
-
-    A dataclass instance itself is not loadable with ``weights_only=True``
-    (rebuilding it means importing and calling its class), so checkpoints store
-    its fields instead.
-    """
+    """A configuration as a dict of plain values (a dataclass via ``asdict``; a dataclass itself is not weights_only-loadable)."""
     if config is None:
         return None
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
@@ -331,12 +285,12 @@ def config_as_dict(config: Any) -> dict[str, Any] | None:
 
 
 def config_differences(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> list[str]:
-    """Fields whose values differ between two configuration dicts, as readable lines."""
+    """Fields whose values differ between two configuration dicts, as readable lines (tuples equal lists)."""
     saved, current = saved or {}, current or {}
     lines = []
     for key in sorted(set(saved) | set(current), key=str):
         old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
-        if old != new:
+        if (list(old) if isinstance(old, tuple) else old) != (list(new) if isinstance(new, tuple) else new):
             lines.append(f"{key}: {old!r} in the checkpoint, {new!r} now")
     return lines
 
@@ -344,487 +298,236 @@ def config_differences(saved: Mapping[str, Any] | None, current: Mapping[str, An
 # --------------------------------------------------------------------------- random number generators
 
 
+def _mps_available() -> bool:
+    return hasattr(torch, "mps") and torch.backends.mps.is_available()
+
+
 def capture_rng_state() -> dict[str, Any]:
-    """The global random states of Python, NumPy, torch CPU and (if present) every CUDA device.
+    """The global random states: Python, NumPy, torch CPU, every CUDA device and MPS (where present).
 
     NumPy's state is a tuple holding an ndarray, which ``weights_only=True``
     refuses; its 624 key words are stored as an int64 tensor instead.
     """
     version, python_words, gauss = random.getstate()
     algorithm, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {
+    return {
         "python": {"version": version, "words": torch.tensor(python_words, dtype=torch.int64), "gauss": gauss},
-        "numpy": {
-            "algorithm": str(algorithm),
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "position": int(position),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
+        "numpy": {"algorithm": str(algorithm), "keys": torch.from_numpy(keys.astype(np.int64)),
+                  "position": int(position), "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
         "torch_cpu": torch.get_rng_state(),
         "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "torch_mps": torch.mps.get_rng_state() if _mps_available() else None,
     }
-    return state
 
 
-def cuda_rng_problem(state: Mapping[str, Any]) -> str | None:
-    """Why ``state``'s CUDA RNG states cannot be restored here (one per device, so the counts must match), or None."""
-    saved = len(state.get("torch_cuda") or [])
+def _python_state(saved: Mapping[str, Any]) -> tuple:
+    return (saved["version"], tuple(saved["words"].tolist()), saved["gauss"])
+
+
+def _numpy_state(saved: Mapping[str, Any]) -> tuple:
+    return (saved["algorithm"], saved["keys"].numpy().astype(np.uint32), saved["position"],
+            saved["has_gauss"], saved["cached_gaussian"])
+
+
+def rng_state_problems(state: Any) -> list[str]:
+    """Every reason ``state`` cannot be restored here, found by restoring it into private generators.
+
+    Each state is set on a fresh ``random.Random``, ``np.random.RandomState``
+    and ``torch.Generator``: they check lengths and values exactly as the
+    global ones would, and the global generators are not touched.
+    """
+    if not isinstance(state, Mapping) or any(key not in state for key in RNG_KEYS):
+        return [f"rng: expected a dict with {', '.join(RNG_KEYS)}"]
+    problems = []
+    checks = {
+        "python": lambda s: random.Random().setstate(_python_state(s)),
+        "numpy": lambda s: np.random.RandomState().set_state(_numpy_state(s)),
+        "torch_cpu": lambda s: torch.Generator().set_state(s),
+    }
+    for name, check in checks.items():
+        try:
+            check(state[name])
+        except Exception as error:  # wrong type, length or value: each library raises its own
+            problems.append(f"rng[{name!r}]: cannot be restored ({type(error).__name__}: {error})")
+    cuda = state["torch_cuda"]
     here = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if saved and saved != here:
-        return f"rng: states for {saved} CUDA devices in the file, {here} here"
-    return None
+    if not isinstance(cuda, list) or not all(isinstance(s, torch.Tensor) and s.dtype == torch.uint8 for s in cuda):
+        problems.append("rng['torch_cuda']: expected a list of uint8 tensors")
+    elif cuda and len(cuda) != here:
+        problems.append(f"rng['torch_cuda']: states for {len(cuda)} CUDA devices in the file, {here} here")
+    mps = state["torch_mps"]
+    if mps is not None and not (isinstance(mps, torch.Tensor) and mps.dtype == torch.uint8):
+        problems.append("rng['torch_mps']: expected a uint8 tensor or None")
+    elif mps is not None and not _mps_available():
+        problems.append("rng['torch_mps']: an MPS state in the file, no MPS device here")
+    return problems
 
 
 def restore_rng_state(state: Mapping[str, Any], source: str | Path = "checkpoint") -> None:
-    """Set the global random states captured by ``capture_rng_state`` (all of them, or none on error)."""
-    problem = cuda_rng_problem(state)
-    if problem:
-        raise CheckpointError(f"{source}: {problem}; the run would not continue exactly")
-    python = state["python"]
-    random.setstate((python["version"], tuple(python["words"].tolist()), python["gauss"]))
-    numpy = state["numpy"]
-    np.random.set_state((
-        numpy["algorithm"], numpy["keys"].numpy().astype(np.uint32),
-        numpy["position"], numpy["has_gauss"], numpy["cached_gaussian"],
-    ))
+    """Set the global random states captured by ``capture_rng_state``: all of them, or none on error."""
+    problems = rng_state_problems(state)
+    if problems:
+        raise CheckpointError(f"{source}: the random states cannot be restored; none was:\n  " + "\n  ".join(problems))
+    random.setstate(_python_state(state["python"]))
+    np.random.set_state(_numpy_state(state["numpy"]))
     torch.set_rng_state(state["torch_cpu"])
-    if state.get("torch_cuda"):
+    if state["torch_cuda"]:
         torch.cuda.set_rng_state_all(state["torch_cuda"])
+    if state["torch_mps"] is not None:
+        torch.mps.set_rng_state(state["torch_mps"])
 
 
 # --------------------------------------------------------------------------- training checkpoints
 
 
-def checkpoint_name(step: int) -> str:
-    """``step_00000042.pt``: zero-padded so names sort in step order."""
-    return f"step_{step:08d}.pt"
+def checkpoint_name(sequence: int, step: int) -> str:
+    """``ckpt-000007-step-00000042.pt``: the 7th save in its folder, taken after step 42."""
+    return f"ckpt-{sequence:06d}-step-{step:08d}.pt"
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step a checkpoint was taken after, from its name."""
+    match = CHECKPOINT_PATTERN.match(Path(path).name)
+    if match is None:
+        raise CheckpointError(f"{path}: not a checkpoint name (expected ckpt-<sequence>-step-<step>.pt)")
+    return int(match.group(2))
 
 
 def list_checkpoints(folder: str | Path) -> list[Path]:
-    """Complete training checkpoints in ``folder``, oldest step first (temporaries never match)."""
+    """Complete training checkpoints in ``folder``, in the order they were saved (temporaries never match)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(path for path in folder.iterdir() if CHECKPOINT_PATTERN.match(path.name))
+    found = [(CHECKPOINT_PATTERN.match(path.name), path) for path in folder.iterdir()]
+    return [path for _, path in sorted((int(match.group(1)), path) for match, path in found if match)]
 
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
-    """The newest complete training checkpoint in ``folder``, or None if there is none."""
+    """The checkpoint saved last in ``folder`` (highest sequence, whatever its step), or None."""
     found = list_checkpoints(folder)
     return found[-1] if found else None
 
 
 def save_training_checkpoint(
     folder: str | Path,
+    trainer_state: Mapping[str, Any],
     *,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    skipped_steps: int = 0,
     data_state: Mapping[str, Any] | None = None,
     model_config: Any = None,
-    train_config: Any = None,
-    history: Any = None,
     keep_last: int = 3,
 ) -> Path:
-    """Write everything needed to resume exactly to ``folder/step_<step>.pt``; keep the newest ``keep_last``.
+    """Write ``trainer_state`` (``Trainer.state_dict()``), the RNG states and the data position; keep the newest ``keep_last``.
 
-    Call it after optimizer step ``step`` has completed and before the next
-    batch is drawn, with ``data_state`` saying how far the data stream has gone
-    and ``history`` complete up to ``step`` (log pending losses first).
-    ``skipped_steps`` counts the fp16 steps the ``GradScaler`` skipped: they
-    consumed batches but are not in ``step``. Everything is checked for
-    ``weights_only`` loadability before any byte is written, and older
-    checkpoints are deleted only after the new one is durable.
+    Call it after an optimizer step and before the next batch is drawn, with
+    ``data_state`` saying how far the data stream has gone. The file is named
+    after the next save sequence of ``folder`` and the trainer's step. All of it
+    is checked for ``weights_only`` loadability before any byte is written;
+    older checkpoints are deleted only after the new one is durable, and never
+    the new one itself.
     """
-    if keep_last < 1:
-        raise CheckpointError(f"keep_last={keep_last}: must be at least 1, or the new checkpoint would be deleted")
     folder = Path(folder)
+    if not isinstance(keep_last, int) or keep_last < 1:
+        raise CheckpointError(f"{folder}: keep_last={keep_last!r}; must be an int >= 1, or the new checkpoint "
+                              "would be deleted")
+    step = trainer_state.get("step") if isinstance(trainer_state, Mapping) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{folder}: trainer_state['step'] is {step!r}; expected the trainer's "
+                              "state_dict() with an int step")
+    saved = list_checkpoints(folder)
+    sequence = int(CHECKPOINT_PATTERN.match(saved[-1].name).group(1)) + 1 if saved else 1
+    path = folder / checkpoint_name(sequence, step)
     state = {
         "format": TRAINING_FORMAT,
         "format_version": TRAINING_FORMAT_VERSION,
-        "step": int(step),
-        "skipped_steps": int(skipped_steps),
-        "model": unwrap_state_dict(model.state_dict()),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "scaler": scaler.state_dict() if scaler is not None else None,
+        "trainer": dict(trainer_state),
         "rng": capture_rng_state(),
         "data": dict(data_state) if data_state is not None else None,
         "model_config": config_as_dict(model_config),
-        "train_config": config_as_dict(train_config),
-        "history": history,
     }
     problems = plain_value_problems(state)
     if problems:
-        raise CheckpointError(
-            f"{folder / checkpoint_name(step)}: not saved; torch.load(weights_only=True) could not read it back:\n  "
-            + "\n  ".join(problems)
-        )
-    path = atomic_write(folder / checkpoint_name(step), lambda temporary: torch.save(state, temporary))
+        raise CheckpointError(f"{path}: not saved; torch.load(weights_only=True) could not read it back:\n  "
+                              + "\n  ".join(problems))
+    _write_torch(path, state)
     for old in list_checkpoints(folder)[:-keep_last]:
-        old.unlink()
-    for leftover in folder.glob(f".step_*{TEMPORARY_MARKER}*"):
-        if not leftover.name.endswith(f"{TEMPORARY_MARKER}{os.getpid()}"):
-            leftover.unlink(missing_ok=True)  # left by a save that crashed; never a checkpoint
+        if old != path:
+            old.unlink(missing_ok=True)
+    for leftover in folder.iterdir():  # left by a save that crashed; never a checkpoint
+        if is_temporary(leftover) and leftover.name.startswith(".ckpt-"):
+            leftover.unlink(missing_ok=True)
     return path
 
 
-@dataclass
-class Resumed:
-    """What ``load_training_checkpoint`` restored that the training loop itself must use."""
-
-    path: Path
-    step: int  # the number of optimizer steps already taken
-    skipped_steps: int  # fp16 steps the scaler skipped (not counted in step)
-    data_state: dict[str, Any] | None  # pass to the data stream's load_state_dict
-    history: Any  # whatever was saved as history (e.g. the loss per step)
-    train_config_changes: list[str] = field(default_factory=list)  # reported, not refused
-
-
-def _optimizer_problems(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> list[str]:
-    """Ways a saved optimizer state does not fit ``optimizer`` (group and parameter counts, state shapes)."""
-    groups = saved.get("param_groups", [])
-    if len(groups) != len(optimizer.param_groups):
-        return [f"optimizer: {len(groups)} parameter groups in the file, {len(optimizer.param_groups)} now"]
-    problems = []
-    parameters = {}
-    for number, (old, new) in enumerate(zip(groups, optimizer.param_groups)):
-        if len(old["params"]) != len(new["params"]):
-            problems.append(
-                f"optimizer group {number}: {len(old['params'])} parameters in the file, {len(new['params'])} now"
-            )
-        parameters.update(zip(old["params"], new["params"]))
-    for index, entries in saved.get("state", {}).items():
-        parameter = parameters.get(index)
-        for name, value in entries.items():
-            if parameter is not None and isinstance(value, torch.Tensor) and value.dim() > 0 \
-                    and value.shape != parameter.shape:
-                problems.append(
-                    f"optimizer state {name} of parameter {index}: shape {tuple(value.shape)}, "
-                    f"parameter has {tuple(parameter.shape)}"
-                )
-    return problems
-
-
 def read_training_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read a training checkpoint's dict (weights_only), refusing files of any other kind."""
+    """Read a training checkpoint's dict (weights_only) and check its top-level structure."""
     path = Path(path)
     state = read_torch_file(path)
     if not isinstance(state, Mapping) or state.get("format") != TRAINING_FORMAT:
         found = "a weights file (a state_dict)" if isinstance(state, Mapping) else f"a {type(state).__name__}"
         raise CheckpointError(f"{path}: is {found}, not a training checkpoint (no format {TRAINING_FORMAT!r})")
     if state.get("format_version") != TRAINING_FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: training checkpoint format version {state.get('format_version')}, "
-            f"this code reads version {TRAINING_FORMAT_VERSION}"
-        )
+        raise CheckpointError(f"{path}: training checkpoint format version {state.get('format_version')!r}, "
+                              f"this code reads version {TRAINING_FORMAT_VERSION}")
+    missing = [key for key in CHECKPOINT_KEYS if key not in state]
+    if missing:
+        raise CheckpointError(f"{path}: training checkpoint without {', '.join(repr(k) for k in missing)}")
+    for key, allowed in (("trainer", (Mapping,)), ("data", (Mapping, type(None))),
+                         ("model_config", (Mapping, type(None)))):
+        if not isinstance(state[key], allowed):
+            raise CheckpointError(f"{path}: {key!r} is a {type(state[key]).__name__}, expected a dict")
     return dict(state)
 
 
-def load_training_checkpoint(
-    path: str | Path,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    model_config: Any = None,
-    train_config: Any = None,
-    restore_rng: bool = True,
-) -> Resumed:
-    """Restore a run from ``path`` into the given objects; return the step, data position and history.
+@dataclass
+class Resumed:
+    """What ``load_training_checkpoint`` restored that the caller itself must use."""
 
-    Everything is checked first, so on any error nothing has been loaded:
-    the file's kind, the model configuration (a different one is refused: the
-    weights would not mean the same thing), keys/shapes/dtypes of the weights,
-    the optimizer's groups, and the scheduler and scaler. A different training
-    configuration (say a new learning rate) is allowed and reported in
-    ``Resumed.train_config_changes``: the run continues, but not exactly.
+    path: Path
+    step: int  # the number of optimizer steps already taken
+    data_state: dict[str, Any] | None  # pass to the data stream's load_state_dict
+    train_config_changes: list[str] = field(default_factory=list)  # the trainer applies the new config
+
+
+def load_training_checkpoint(path: str | Path, trainer: Any, *, model_config: Any = None,
+                             restore_rng: bool = True) -> Resumed:
+    """Restore a run from ``path`` into ``trainer`` (and the global generators); return the step and data position.
+
+    Everything is checked first, so on any error nothing has changed: the
+    file's kind and structure, the model configuration (a different one is
+    refused: the weights would not mean the same thing), every RNG state, and
+    the trainer's whole state (``trainer.state_dict_problems``: weights,
+    optimizer, scheduler, scaler, step, history). A changed training
+    configuration (say a new learning rate) is allowed, applied by the trainer
+    and listed in ``Resumed.train_config_changes``.
     """
     path = Path(path)
     state = read_training_checkpoint(path)
+    problems = []
     if model_config is not None:
-        changes = config_differences(state["model_config"], config_as_dict(model_config))
-        if changes:
-            raise CheckpointError(
-                f"{path}: was saved for a different model configuration; nothing was loaded:\n  "
-                + "\n  ".join(changes)
-            )
-    problems = state_dict_problems(model, state["model"])
-    problems += _optimizer_problems(optimizer, state["optimizer"])
-    for name, target in (("scheduler", scheduler), ("scaler", scaler)):
-        if target is not None and state[name] is None:
-            problems.append(f"{name}: none in the file, but one was passed to restore")
-        if target is None and state[name] is not None:
-            problems.append(f"{name}: the file has one; pass the {name} to restore it")
-    if scaler is not None and state["scaler"] is not None and scaler.is_enabled() != bool(state["scaler"]):
-        problems.append(
-            f"scaler: {'enabled' if state['scaler'] else 'disabled'} in the file, "
-            f"{'enabled' if scaler.is_enabled() else 'disabled'} now"
-        )
-    rng_problem = cuda_rng_problem(state["rng"]) if restore_rng else None
-    if rng_problem:
-        problems.append(f"{rng_problem} (pass restore_rng=False to continue, not exactly)")
+        problems += [f"model configuration: {line}" for line in
+                     config_differences(state["model_config"], config_as_dict(model_config))]
+    if restore_rng:
+        problems += rng_state_problems(state["rng"])
+    check = getattr(trainer, "state_dict_problems", None)
+    if check is not None:
+        problems += check(state["trainer"])
     if problems:
-        raise CheckpointError(
-            f"{path}: does not fit the objects it should restore; nothing was loaded:\n  " + "\n  ".join(problems)
-        )
-    unwrap_model(model).load_state_dict(state["model"], strict=True)
-    optimizer.load_state_dict(state["optimizer"])
-    if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if scaler is not None and state["scaler"]:
-        scaler.load_state_dict(state["scaler"])
+        raise CheckpointError(f"{path}: cannot be restored; nothing was loaded:\n  " + "\n  ".join(problems))
+    trainer.load_state_dict(state["trainer"])
     if restore_rng:
         restore_rng_state(state["rng"], path)
-    return Resumed(
-        path=path,
-        step=state["step"],
-        skipped_steps=state["skipped_steps"],
-        data_state=state["data"],
-        history=state["history"],
-        train_config_changes=config_differences(state["train_config"], config_as_dict(train_config))
-        if train_config is not None else [],
-    )
+    current = getattr(trainer, "config", None)
+    return Resumed(path=path, step=state["trainer"]["step"], data_state=state["data"],
+                   train_config_changes=config_differences(state["trainer"].get("config"), config_as_dict(current))
+                   if current is not None else [])
 
 
 def load_weights_from_training_checkpoint(model: nn.Module, path: str | Path) -> nn.Module:
-    """Load only the model weights from a training checkpoint (to evaluate or publish it)."""
+    """Load only the model weights from a training checkpoint (to evaluate or publish them)."""
     path = Path(path)
-    state = read_training_checkpoint(path)
-    check_state_dict(model, state["model"], path)
-    unwrap_model(model).load_state_dict(state["model"], strict=True)
+    weights = read_training_checkpoint(path)["trainer"].get("model")
+    if not isinstance(weights, Mapping):
+        raise CheckpointError(f"{path}: 'trainer' holds no 'model' state_dict")
+    check_state_dict(model, weights, path)
+    unwrap_model(model).load_state_dict(weights, strict=True)
     return model
-
-
-# --------------------------------------------------------------------------- safetensors
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple:
-    """Identifies a tensor's exact view of memory: tensors with equal keys are the same values."""
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-            tuple(tensor.stride()), tensor.dtype)
-
-
-def split_aliases(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Keep one name per shared tensor; return the tensors to write and ``{dropped name: kept name}``.
-
-    A tied embedding and output head appear in ``state_dict`` under two names
-    for one tensor. ``torch.save`` keeps the sharing; safetensors stores each
-    name's bytes separately and refuses shared memory, so one name is written
-    and the other recorded as an alias in the file's metadata.
-    """
-    kept: dict[tuple, str] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    storages: dict[int, str] = {}
-    for name, tensor in state_dict.items():
-        key = _storage_key(tensor)
-        if key in kept:
-            aliases[name] = kept[key]
-            continue
-        pointer = tensor.untyped_storage().data_ptr()
-        if tensor.numel() and pointer in storages:
-            raise CheckpointError(
-                f"{name}: shares memory with {storages[pointer]} but is a different view of it; "
-                "safetensors cannot store overlapping tensors (clone one of them first)"
-            )
-        if tensor.numel():
-            storages[pointer] = name
-        kept[key] = name
-        tensors[name] = tensor.detach().contiguous()
-    return tensors, aliases
-
-
-def _tensors_to_publish(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor]
-                        ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors to write, without wrapper prefixes and each shared tensor once, and the aliases dropped."""
-    state_dict = (model_or_state_dict.state_dict() if isinstance(model_or_state_dict, nn.Module)
-                  else model_or_state_dict)
-    return split_aliases(unwrap_state_dict(state_dict))
-
-
-def save_safetensors(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], path: str | Path,
-                     metadata: Mapping[str, str] | None = None) -> Path:
-    """Export weights to one safetensors file, atomically, with tied tensors stored once."""
-    tensors, aliases = _tensors_to_publish(model_or_state_dict)
-    header = {str(key): str(value) for key, value in (metadata or {}).items()}
-    header[ALIASES_KEY] = json.dumps(aliases)
-    return atomic_write(path, lambda temporary: safetensors.torch.save_file(tensors, temporary, metadata=header))
-
-
-def read_safetensors(path: str | Path, *, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Read a safetensors file into a state_dict, with aliased names pointing at the same tensor again."""
-    path = Path(path)
-    _require_file(path)
-    if file_kind(path) != "safetensors":
-        raise CheckpointError(f"{path}: not a safetensors file (it looks like: {file_kind(path)})")
-    try:
-        with safetensors.safe_open(path, framework="pt", device=device) as handle:
-            metadata = handle.metadata() or {}
-            state_dict = {name: handle.get_tensor(name) for name in handle.keys()}
-    except Exception as error:  # SafetensorError is not exported under a stable name
-        raise CheckpointError(f"{path}: unreadable safetensors file ({error}); was the write interrupted?") from error
-    for alias, kept in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
-        state_dict[alias] = state_dict[kept]
-    return state_dict
-
-
-def load_safetensors(model: nn.Module, path: str | Path) -> nn.Module:
-    """Load a safetensors file (one file, or a sharded folder with its index) into ``model``, checked first."""
-    path = Path(path)
-    state_dict = read_sharded_safetensors(path) if path.is_dir() or path.suffix == ".json" else read_safetensors(path)
-    check_state_dict(model, state_dict, path)
-    unwrap_model(model).load_state_dict(state_dict, strict=True)
-    return model
-
-
-def save_sharded_safetensors(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], folder: str | Path,
-                             max_shard_bytes: int) -> Path:
-    """Split weights into ``model-0000i-of-0000n.safetensors`` files plus ``model.safetensors.index.json``.
-
-    This is the Hugging Face hub layout: the index's ``weight_map`` says which
-    file holds each tensor, so a loader can open only the shards it needs. Each
-    shard holds whole tensors, so one larger than ``max_shard_bytes`` gets a shard
-    of its own. The index is written last: until it exists, no shard set is complete.
-    """
-    tensors, aliases = _tensors_to_publish(model_or_state_dict)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        if shards[-1] and shard_bytes + size > max_shard_bytes:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][name] = tensor
-        shard_bytes += size
-    folder = Path(folder)
-    weight_map = {}
-    for number, shard in enumerate(shards, start=1):
-        filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        atomic_write(folder / filename,
-                     lambda temporary, shard=shard: safetensors.torch.save_file(shard, temporary, metadata={}))
-        weight_map.update(dict.fromkeys(shard, filename))
-    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-    index = {"metadata": {"total_size": total, ALIASES_KEY: aliases}, "weight_map": weight_map}
-    return atomic_write(folder / SAFETENSORS_INDEX,
-                        lambda temporary: temporary.write_text(json.dumps(index, indent=2)))
-
-
-def read_sharded_safetensors(folder_or_index: str | Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    """Read the tensors listed in a sharded checkpoint's index (all, or only ``names``), one shard at a time."""
-    index_path = Path(folder_or_index)
-    if index_path.is_dir():
-        index_path = index_path / SAFETENSORS_INDEX
-    _require_file(index_path)
-    try:
-        index = json.loads(index_path.read_text())
-        weight_map: dict[str, str] = index["weight_map"]
-    except (ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{index_path}: not a safetensors index (expected JSON with a 'weight_map')") from error
-    aliases: dict[str, str] = index.get("metadata", {}).get(ALIASES_KEY, {})
-    wanted = list(weight_map) + list(aliases) if names is None else list(names)
-    by_file: dict[str, list[str]] = {}
-    for name in wanted:
-        stored = aliases.get(name, name)
-        if stored not in weight_map:
-            raise CheckpointError(f"{index_path}: no tensor named {name!r} in the weight_map")
-        by_file.setdefault(weight_map[stored], []).append(stored)
-    state_dict: dict[str, torch.Tensor] = {}
-    for filename, stored_names in by_file.items():
-        shard = index_path.parent / filename
-        _require_file(shard)
-        try:
-            with safetensors.safe_open(shard, framework="pt", device="cpu") as handle:
-                for name in stored_names:
-                    state_dict[name] = handle.get_tensor(name)
-        except Exception as error:
-            raise CheckpointError(f"{shard}: unreadable safetensors shard ({error})") from error
-    for name in wanted:
-        if name in aliases:
-            state_dict[name] = state_dict[aliases[name]]
-    return {name: state_dict[name] for name in wanted}
-
-
-# --------------------------------------------------------------------------- big models: meta device
-
-
-def _tied_parameter_names(model: nn.Module) -> list[list[str]]:
-    """Groups of parameter names that are one Parameter object (tied weights), from the model's structure."""
-    groups: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(parameter), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
-
-
-def _set_parameter(model: nn.Module, name: str, parameter: nn.Parameter) -> None:
-    owner_name, _, attribute = name.rpartition(".")
-    owner = model.get_submodule(owner_name) if owner_name else model
-    setattr(owner, attribute, parameter)
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """While active, every parameter a module registers is moved to the meta device; buffers stay real.
-
-    ``with torch.device("meta")`` puts *everything* built inside on meta,
-    including buffers that ``state_dict`` does not hold (``persistent=False``:
-    causal masks, RoPE tables); after loading they would still be meta, with no
-    values. Parameters are the big part and the checkpoint supplies them; buffers
-    are small and computed by the constructor, so only parameters go to meta.
-    This is what Hugging Face Accelerate's ``init_empty_weights()`` does, and
-    like it this patches ``nn.Module.register_parameter`` for the duration of
-    the block, so build one model at a time, from one thread. (torchtitan
-    instead builds under ``torch.device("meta")`` and calls a model method that
-    recomputes the buffers; that needs the model's cooperation, this does not.)
-    """
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, parameter: nn.Parameter | None) -> None:
-        if parameter is not None and not parameter.is_meta:
-            parameter = nn.Parameter(parameter.to("meta"), requires_grad=parameter.requires_grad)
-        register(module, name, parameter)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-def load_on_meta(build: Callable[[], nn.Module], state_dict: Mapping[str, torch.Tensor],
-                 source: str | Path) -> nn.Module:
-    """Build a model without initialising its weights, then adopt the checkpoint's tensors as its parameters.
-
-    Parameters are created on the meta device (shapes, no memory), so no random
-    initialisation is computed and then thrown away, and memory holds one copy
-    of the weights instead of two. ``load_state_dict(..., assign=True)`` makes
-    the loaded tensors the parameters (loaded with ``mmap=True`` they stay in the
-    file's pages until used). Tied weights are tied again afterwards, since
-    assignment gives each name its own Parameter.
-    """
-    with parameters_on_meta():
-        model = build()
-    ties = _tied_parameter_names(model)
-    check_state_dict(model, state_dict, source)
-    model.load_state_dict(state_dict, assign=True, strict=True)
-    for names in ties:
-        shared = model.get_parameter(names[0])
-        for name in names[1:]:
-            _set_parameter(model, name, shared)
-    still_meta = meta_tensors(model)
-    if still_meta:
-        raise CheckpointError(
-            f"{source}: after loading, {still_meta} are still on the meta device, with no values "
-            "(buffers that state_dict does not save); build with parameters_on_meta() so they are computed"
-        )
-    return model
-
-
-def meta_tensors(model: nn.Module) -> list[str]:
-    """Names of the parameters and buffers of ``model`` that are on the meta device (have no values)."""
-    return [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]

@@ -1,24 +1,27 @@
 """A small training run that checkpoints, can be killed, and resumes exactly: the proof behind Chapter 5.
 
-Run it three ways and compare the final files:
+Run it three ways from the repository root and compare the final files:
 
-    python -m torchbook.resume_demo --folder run_a --out a.pt                      # uninterrupted
-    python -m torchbook.resume_demo --folder run_b --out b.pt --kill-after-checkpoint 2   # dies (SIGKILL)
-    python -m torchbook.resume_demo --folder run_b --out b.pt --resume              # continues from run_b
+    python examples/resume_demo.py --folder run_a --out a.pt                             # uninterrupted
+    python examples/resume_demo.py --folder run_b --out b.pt --kill-after-checkpoint 2   # dies (SIGKILL)
+    python examples/resume_demo.py --folder run_b --out b.pt --resume                    # continues run_b
 
 ``a.pt`` and ``b.pt`` then hold bit-identical weights and the same loss at
 every step. ``--kill-during-save k`` instead dies halfway through writing
 checkpoint ``k``, to show that the previous checkpoint survives.
 
-It ties the book's pieces together: a byte-level ``GPT`` (models), trained by
-``Trainer`` (train) on a ``TokenStream`` over Tiny Shakespeare (data), saved and
-restored by ``Run.save`` / ``Run.resume`` with ``save_training_checkpoint`` /
-``load_training_checkpoint`` (checkpoint). Besides the model, optimizer,
-scheduler and scaler, a run's state is the step, the fp16 steps the scaler
-skipped, the loss history (with the trainer's pending losses logged first) and
-the number of batches drawn from the stream. Exactness needs deterministic CPU settings: one thread (the order
-of float additions is fixed), ``torch.use_deterministic_algorithms(True)`` and
-seeded generators. Dropout is on, so the RNG state must be restored too.
+It is a script, not library code: it replaces ``torch.save`` for the whole
+process and kills itself. It ties the book's pieces together: a byte-level
+``GPT`` (``torchbook.models``) trained by a ``Trainer`` (``torchbook.train``)
+on a ``TokenStream`` over Tiny Shakespeare (``torchbook.data``), saved with
+``save_training_checkpoint(folder, trainer.state_dict(), data_state=...)`` and
+restored with ``load_training_checkpoint(path, trainer)``
+(``torchbook.checkpoint``). The trainer's state carries its losses not yet
+logged, so a checkpoint may fall between two log rows. The one count the
+trainer does not keep is the number of batches drawn from the stream: that is
+the data state. Exactness needs deterministic CPU settings: one thread (the
+order of float additions is fixed), ``torch.use_deterministic_algorithms(True)``
+and seeded generators. Dropout is on, so the RNG state must be restored too.
 """
 
 from __future__ import annotations
@@ -37,14 +40,9 @@ import numpy as np
 import torch
 
 from torchbook.cache import shakespeare_path
-from torchbook.checkpoint import (
-    Resumed,
-    atomic_write,
-    latest_checkpoint,
-    load_training_checkpoint,
-    save_training_checkpoint,
-)
+from torchbook.checkpoint import Resumed, latest_checkpoint, load_training_checkpoint, save_training_checkpoint
 from torchbook.data import StreamConfig, TokenStream, write_shard
+from torchbook.files import atomic_write
 from torchbook.models import GPT, GPTConfig
 from torchbook.profile import CheckpointSizes, active_profile
 from torchbook.train import TrainConfig, Trainer
@@ -83,7 +81,7 @@ def die_halfway_through_saves() -> None:
 
 def byte_shard(folder: Path) -> Path:
     """Tiny Shakespeare as one shard of byte tokens in ``folder`` (written once)."""
-    path = folder / "shakespeare_bytes.bin"
+    path = Path(folder) / "shakespeare_bytes.bin"
     if not path.exists():
         tokens = np.frombuffer(shakespeare_path().read_bytes(), dtype=np.uint8)
         write_shard(path, tokens, vocab_size=BYTE_VOCAB, tokenizer="utf-8 bytes")
@@ -108,7 +106,6 @@ class Run:
 
     folder: Path  # checkpoints go here
     model_config: GPTConfig
-    train_config: TrainConfig
     trainer: Trainer
     stream: TokenStream
     save_every: int
@@ -117,36 +114,20 @@ class Run:
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None  # started at the first step
 
     def save(self) -> Path:
-        """Checkpoint the full state after the latest optimizer step.
-
-        ``Trainer.log`` runs first: the trainer keeps each step's loss on the
-        device until its next log row, and a checkpoint taken with losses pending
-        would resume with them lost, so the history would differ. It writes a
-        row only when losses are pending, and an uninterrupted run saving at the
-        same steps writes the same rows.
-        """
-        trainer = self.trainer
-        trainer.log()
+        """Checkpoint the full state after the latest optimizer step (pending losses included)."""
         return save_training_checkpoint(
-            self.folder, step=trainer.step, skipped_steps=trainer.skipped_steps, model=trainer.model,
-            optimizer=trainer.optimizer, scheduler=trainer.scheduler, scaler=trainer.scaler,
+            self.folder, self.trainer.state_dict(),
             data_state=self.stream.state_dict(batches_consumed=self.batches_drawn),
-            model_config=self.model_config, train_config=self.train_config, history=trainer.history,
-            keep_last=self.keep_last)
+            model_config=self.model_config, keep_last=self.keep_last)
 
     def resume(self, path: Path, restore_rng: bool = True) -> Resumed:
         """Restore everything ``save`` wrote, into this run's objects, before its first step."""
         if self.batches is not None:
             raise RuntimeError(f"{path}: resume before the first step, not after {self.batches_drawn} batches")
-        resumed = load_training_checkpoint(
-            path, model=self.trainer.model, optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler,
-            scaler=self.trainer.scaler, model_config=self.model_config, train_config=self.train_config,
-            restore_rng=restore_rng)
+        resumed = load_training_checkpoint(path, self.trainer, model_config=self.model_config,
+                                           restore_rng=restore_rng)
         self.stream.load_state_dict(resumed.data_state)
         self.batches_drawn = resumed.data_state["batches_consumed"]
-        self.trainer.step = resumed.step
-        self.trainer.skipped_steps = resumed.skipped_steps
-        self.trainer.history = list(resumed.history)
         return resumed
 
     def train_until(self, until_step: int) -> None:
@@ -155,11 +136,10 @@ class Run:
             self.batches = iter(self.stream)
         trainer = self.trainer
         while trainer.step < until_step:
-            group = [next(self.batches) for _ in range(self.train_config.accum_steps)]
+            group = [next(self.batches) for _ in range(trainer.config.accum_steps)]
             self.batches_drawn += len(group)
-            step_before = trainer.step
-            trainer.train_step(group)
-            if trainer.step > step_before and trainer.step % self.save_every == 0:
+            result = trainer.train_step(group)
+            if not result.skipped and trainer.step % self.save_every == 0:
                 path = self.save()
                 print(f"checkpoint {trainer.step // self.save_every} written: {path.name}", flush=True)
 
@@ -173,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int, default=sizes.save_every)
     parser.add_argument("--keep-last", type=int, default=sizes.keep_last)
     parser.add_argument("--seed", type=int, default=active_profile().seed)
+    parser.add_argument("--lr", type=float, default=LEARNING_RATE, help="peak learning rate (change it on --resume)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --folder")
     parser.add_argument("--no-restore-rng", action="store_true", help="resume without the RNG state (breaks exactness)")
     parser.add_argument("--kill-after-checkpoint", type=int, default=None, metavar="K",
@@ -187,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = torch.device("cpu")
 
     model_config, train_config, stream_config = demo_configs(sizes, args.steps, args.seed)
-    run = Run(folder=args.folder, model_config=model_config, train_config=train_config,
-              trainer=Trainer(GPT(model_config), train_config, device),
+    if args.lr != LEARNING_RATE:
+        train_config.lr, train_config.min_lr = args.lr, args.lr / 10
+    run = Run(folder=args.folder, model_config=model_config,
+              trainer=Trainer(GPT(model_config), train_config, torch.device("cpu")),
               stream=TokenStream([byte_shard(args.folder)], stream_config),
               save_every=args.save_every, keep_last=args.keep_last)
 
@@ -215,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     run.train_until(train_config.max_steps)
 
     trainer = run.trainer
+    trainer.log()
     result = {"weights": trainer.model.state_dict(), "losses": [row["loss"] for row in trainer.history],
-              "steps": [row["step"] for row in trainer.history]}
+              "steps": [row["step"] for row in trainer.history], "lrs": [row["lr"] for row in trainer.history]}
     atomic_write(args.out, lambda temporary: torch.save(result, temporary))
     print(f"finished {trainer.step} steps, final loss {trainer.history[-1]['loss']:.4f}", flush=True)
     return 0

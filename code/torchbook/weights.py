@@ -1,0 +1,352 @@
+"""Publishing weights: safetensors files, tied weights, a sharded index, loading on the meta device.
+
+A safetensors file is an 8-byte header length, a JSON header (each tensor's
+dtype, shape and byte range) and the raw bytes: loading it runs no code, and
+``safe_open`` reads single tensors without reading the rest.
+
+- **Tied weights** follow ``safetensors.torch.save_model`` / ``load_model``:
+  names that share one tensor are stored once, under the first name in sorted
+  order, and each dropped name is recorded in the file's metadata as
+  ``{dropped: kept}``. Reading restores the dropped names from that metadata;
+  loading into a model also re-ties from the model's own structure, so files
+  written by ``save_model`` load here and files written here load with
+  ``load_model``.
+- **Sharded**: the Hugging Face hub layout, ``model-0000i-of-0000n.safetensors``
+  plus ``model.safetensors.index.json`` whose ``weight_map`` names the file of
+  each tensor, so a reader opens only the shards it needs.
+- **Meta device**: ``load_on_meta`` builds the model under
+  ``torch.device("meta")`` (shapes, no memory, no random initialisation),
+  adopts the checkpoint's tensors with ``load_state_dict(assign=True)``, and
+  initialises the non-persistent buffers (masks, RoPE tables) explicitly, as
+  torchtitan does. Nothing process-wide is patched.
+
+Every write goes through ``torchbook.files.atomic_write``; every error is a
+``WeightsError`` naming the file (and the field) and is raised before the
+model changes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import safetensors.torch
+import torch
+from torch import nn
+
+from torchbook.files import atomic_write, atomic_write_text
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Metadata key of files written by earlier versions of this module (aliases as JSON); still read.
+LEGACY_ALIASES_KEY = "torchbook.aliases"
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DDP
+LISTED_KEYS = 12  # an error lists at most this many keys
+
+
+class WeightsError(RuntimeError):
+    """Weights cannot be written or read as asked; the message names the file and the problem."""
+
+
+# --------------------------------------------------------------------------- state dicts
+
+
+def unwrap_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop the key prefix a wrapper adds (``_orig_mod.``: torch.compile, ``module.``: DDP) when all keys have it."""
+    unwrapped = dict(state_dict)
+    stripped = True
+    while stripped and unwrapped:
+        stripped = False
+        for prefix in WRAPPER_PREFIXES:
+            if all(key.startswith(prefix) for key in unwrapped):
+                unwrapped = {key[len(prefix):]: value for key, value in unwrapped.items()}
+                stripped = True
+    return unwrapped
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain module inside a torch.compile (``_orig_mod``) or DDP (``.module``) wrapper."""
+    while True:
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+def check_state_dict(model: nn.Module, state_dict: Mapping[str, Any], source: str | Path) -> None:
+    """Raise WeightsError naming ``source`` unless every key, shape and dtype fits ``model`` (nothing loaded yet)."""
+    expected = unwrap_model(model).state_dict()
+    missing = [key for key in expected if key not in state_dict]
+    unexpected = [key for key in state_dict if key not in expected]
+    problems = [f"{len(keys)} {kind} keys: {', '.join(keys[:LISTED_KEYS])}"
+                + (f" and {len(keys) - LISTED_KEYS} more" if len(keys) > LISTED_KEYS else "")
+                for kind, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+    for key, target in expected.items():
+        source_tensor = state_dict.get(key)
+        if source_tensor is not None and (source_tensor.shape != target.shape or source_tensor.dtype != target.dtype):
+            problems.append(f"{key}: {source_tensor.dtype} {tuple(source_tensor.shape)} in the file, "
+                            f"{target.dtype} {tuple(target.shape)} in the model")
+    if problems:
+        raise WeightsError(f"{source}: does not fit {type(unwrap_model(model)).__name__} (architecture "
+                           "mismatch); nothing was loaded:\n  " + "\n  ".join(problems))
+
+
+def drop_shared(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Keep one name per shared tensor (the first in sorted order, as ``save_model``); return tensors and ``{dropped: kept}``.
+
+    A tied embedding and output head appear in ``state_dict`` under two names
+    for one tensor. ``torch.save`` keeps the sharing; safetensors stores each
+    name's bytes separately and refuses shared memory. Tensors that share
+    memory but are different views of it cannot be stored once: refused.
+    """
+    by_storage: dict[int, list[str]] = {}
+    for name, tensor in state_dict.items():
+        if tensor.numel():
+            by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(name)
+    aliases: dict[str, str] = {}
+    for names in by_storage.values():
+        kept, *dropped = sorted(names)
+        for name in dropped:
+            a, b = state_dict[kept], state_dict[name]
+            if (a.storage_offset(), a.shape, a.stride(), a.dtype) != (b.storage_offset(), b.shape, b.stride(), b.dtype):
+                raise WeightsError(f"{name}: shares memory with {kept} but is a different view of it; safetensors "
+                                   "cannot store overlapping tensors (clone one of them first)")
+            aliases[name] = kept
+    tensors = {name: tensor.detach().contiguous() for name, tensor in state_dict.items() if name not in aliases}
+    return tensors, aliases
+
+
+def _to_publish(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, str]]:
+    state_dict = (unwrap_model(model_or_state_dict).state_dict() if isinstance(model_or_state_dict, nn.Module)
+                  else unwrap_state_dict(model_or_state_dict))
+    return drop_shared(state_dict)
+
+
+def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> Path:
+    try:
+        return atomic_write(path, lambda temporary: safetensors.torch.save_file(dict(tensors), temporary,
+                                                                               metadata=dict(metadata)))
+    except OSError as error:
+        raise WeightsError(f"{path}: could not be written ({type(error).__name__}: {error}); "
+                           "is the disk full? The previous file, if any, is unchanged") from error
+
+
+# --------------------------------------------------------------------------- one file
+
+
+def save_safetensors(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], path: str | Path,
+                     metadata: Mapping[str, str] | None = None) -> Path:
+    """Export weights to one safetensors file, atomically, each tied tensor once (as ``save_model``)."""
+    tensors, aliases = _to_publish(model_or_state_dict)
+    header = {str(key): str(value) for key, value in (metadata or {}).items()}
+    clash = sorted(set(header) & (set(tensors) | set(aliases)))
+    if clash:
+        raise WeightsError(f"{path}: metadata keys {clash} are tensor names; they would be read as aliases")
+    header.update(aliases)
+    return _write_safetensors(Path(path), tensors, header)
+
+
+def _aliases(metadata: Mapping[str, str], stored: set[str], source: Path) -> dict[str, str]:
+    """``{dropped: kept}`` from a file's metadata: ``save_model``'s entries, or the legacy JSON key, checked."""
+    aliases = {name: kept for name, kept in metadata.items() if kept in stored and name not in stored}
+    if LEGACY_ALIASES_KEY in metadata:
+        try:
+            legacy = json.loads(metadata[LEGACY_ALIASES_KEY])
+        except ValueError as error:
+            raise WeightsError(f"{source}: metadata field {LEGACY_ALIASES_KEY!r} is not JSON ({error})") from error
+        if not isinstance(legacy, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in legacy.items()):
+            raise WeightsError(f"{source}: metadata field {LEGACY_ALIASES_KEY!r} is not a JSON object of names")
+        missing = sorted(kept for kept in legacy.values() if kept not in stored)
+        if missing:
+            raise WeightsError(f"{source}: metadata field {LEGACY_ALIASES_KEY!r} names tensors the file does "
+                               f"not hold: {missing}")
+        aliases.update(legacy)
+    return aliases
+
+
+def _open(path: Path, device: str = "cpu"):
+    if not path.is_file():
+        raise WeightsError(f"{path}: no such file")
+    try:
+        return safetensors.safe_open(path, framework="pt", device=device)
+    except (safetensors.SafetensorError, OSError) as error:
+        raise WeightsError(f"{path}: not a readable safetensors file ({error}); was the write interrupted?") from error
+
+
+def read_safetensors(path: str | Path, *, names: Iterable[str] | None = None, device: str = "cpu"
+                     ) -> dict[str, torch.Tensor]:
+    """Read a safetensors file (all tensors, or only ``names``) with ``safe_open``; tied names share one tensor again."""
+    path = Path(path)
+    with _open(path, device) as handle:
+        stored = set(handle.keys())
+        aliases = _aliases(handle.metadata() or {}, stored, path)
+        wanted = sorted(stored | set(aliases)) if names is None else list(names)
+        unknown = [name for name in wanted if name not in stored and name not in aliases]
+        if unknown:
+            raise WeightsError(f"{path}: no tensor named {unknown[:LISTED_KEYS]}")
+        try:
+            tensors = {name: handle.get_tensor(name) for name in {aliases.get(n, n) for n in wanted}}
+        except safetensors.SafetensorError as error:
+            raise WeightsError(f"{path}: unreadable tensor data ({error}); was the write interrupted?") from error
+    return {name: tensors[aliases.get(name, name)] for name in wanted}
+
+
+def load_safetensors(model: nn.Module, path: str | Path) -> nn.Module:
+    """Load a safetensors file (or a sharded folder / its index) into ``model``, checked first, ties kept."""
+    path = Path(path)
+    sharded = path.is_dir() or path.suffix == ".json"
+    state_dict = read_sharded_safetensors(path) if sharded else read_safetensors(path)
+    inner = unwrap_model(model)
+    # Like load_model: a name the model ties to a stored one needs no bytes of its own.
+    groups: dict[int, list[str]] = {}
+    for name, tensor in inner.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    for names in groups.values():
+        present = [name for name in names if name in state_dict]
+        for name in names:
+            if present and name not in state_dict:
+                state_dict[name] = state_dict[present[0]]
+    check_state_dict(inner, state_dict, path)
+    inner.load_state_dict(state_dict, strict=True)
+    return model
+
+
+# --------------------------------------------------------------------------- sharded
+
+
+def save_sharded_safetensors(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], folder: str | Path,
+                             max_shard_bytes: int) -> Path:
+    """Split weights into ``model-0000i-of-0000n.safetensors`` files plus ``model.safetensors.index.json``.
+
+    Each shard holds whole tensors, so one larger than ``max_shard_bytes`` gets a
+    shard of its own; a tied name is recorded in the metadata of the shard that
+    holds its tensor. The index is written last: until it exists, no shard set is complete.
+    """
+    tensors, aliases = _to_publish(model_or_state_dict)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += size
+    folder = Path(folder)
+    weight_map: dict[str, str] = {}
+    for number, shard in enumerate(shards, start=1):
+        filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors(folder / filename, shard, {name: kept for name, kept in aliases.items() if kept in shard})
+        weight_map.update(dict.fromkeys(shard, filename))
+    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    return atomic_write_text(folder / SAFETENSORS_INDEX, json.dumps(index, indent=2) + "\n")
+
+
+def read_index(folder_or_index: str | Path) -> tuple[Path, dict[str, str]]:
+    """The index file and its ``weight_map``, every field checked: a WeightsError names the file and the field."""
+    index_path = Path(folder_or_index)
+    if index_path.is_dir():
+        index_path = index_path / SAFETENSORS_INDEX
+    if not index_path.is_file():
+        raise WeightsError(f"{index_path}: no such file")
+    try:
+        index = json.loads(index_path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise WeightsError(f"{index_path}: not a JSON index ({type(error).__name__}: {error})") from error
+    if not isinstance(index, dict):
+        raise WeightsError(f"{index_path}: the index is a JSON {type(index).__name__}, expected an object")
+    if not isinstance(index.get("metadata", {}), dict):
+        raise WeightsError(f"{index_path}: field 'metadata' is a {type(index['metadata']).__name__}, expected an object")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise WeightsError(f"{index_path}: field 'weight_map' is a {type(weight_map).__name__}, "
+                           "expected an object {tensor name: shard file}")
+    for name, filename in weight_map.items():
+        if not isinstance(filename, str) or Path(filename).name != filename or not filename.endswith(".safetensors"):
+            raise WeightsError(f"{index_path}: field 'weight_map'[{name!r}] is {filename!r}, expected the name "
+                               "of a .safetensors file in the same folder")
+    return index_path, weight_map
+
+
+def read_sharded_safetensors(folder_or_index: str | Path, names: Iterable[str] | None = None
+                             ) -> dict[str, torch.Tensor]:
+    """Read the tensors of a sharded checkpoint (all, or only ``names``), opening only the shards that hold them."""
+    index_path, weight_map = read_index(folder_or_index)
+    files = list(dict.fromkeys(weight_map.values()))
+    if names is None:
+        found: dict[str, torch.Tensor] = {}
+        for filename in files:
+            found.update(read_safetensors(index_path.parent / filename))
+        return found
+    wanted = list(names)
+    where = dict(weight_map)
+    if any(name not in where for name in wanted):
+        # A tied name has no bytes of its own: it is in the metadata of the shard holding its tensor.
+        for filename in files:
+            with _open(index_path.parent / filename) as handle:  # reads the header only
+                links = _aliases(handle.metadata() or {}, set(handle.keys()), index_path.parent / filename)
+            where.update({name: filename for name in wanted if name in links and name not in where})
+    unknown = [name for name in wanted if name not in where]
+    if unknown:
+        raise WeightsError(f"{index_path}: no tensor named {unknown[:LISTED_KEYS]} in field 'weight_map'")
+    by_file: dict[str, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(where[name], []).append(name)
+    found = {}
+    for filename, shard_names in by_file.items():
+        found.update(read_safetensors(index_path.parent / filename, names=shard_names))
+    return {name: found[name] for name in wanted}
+
+
+# --------------------------------------------------------------------------- big models: the meta device
+
+
+def meta_tensors(model: nn.Module) -> list[str]:
+    """Names of the parameters and buffers of ``model`` that are on the meta device (have no values)."""
+    return [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+
+
+def load_on_meta(build: Callable[[], nn.Module], state_dict: Mapping[str, torch.Tensor], source: str | Path,
+                 init_buffers: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """Build a model without initialising it, adopt the checkpoint's tensors, then fill the buffers it does not hold.
+
+    Under ``torch.device("meta")`` parameters and buffers have shapes but no
+    memory, so no random initialisation is computed and thrown away and memory
+    holds one copy of the weights. ``load_state_dict(assign=True)`` makes the
+    loaded tensors the parameters (loaded with ``mmap=True`` they stay in the
+    file's pages until used); tied weights are tied again afterwards.
+    Non-persistent buffers (``persistent=False``: causal masks, RoPE tables)
+    are in no checkpoint: ``init_buffers(model)`` must set them, as torchtitan's
+    models do in their ``init_weights``. Until then they are meta, and an error
+    lists them.
+    """
+    with torch.device("meta"):
+        model = build()
+    ties: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        ties.setdefault(id(parameter), []).append(name)
+    state_dict = dict(state_dict)
+    for names in ties.values():  # a tied name the file stored once (safetensors) takes the stored tensor
+        present = [name for name in names if name in state_dict]
+        for name in names:
+            if present and name not in state_dict:
+                state_dict[name] = state_dict[present[0]]
+    check_state_dict(model, state_dict, source)
+    model.load_state_dict(state_dict, assign=True, strict=True)
+    for names in ties.values():
+        shared = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, attribute, shared)
+    if init_buffers is not None:
+        init_buffers(model)
+    still_meta = meta_tensors(model)
+    if still_meta:
+        raise WeightsError(f"{source}: after loading, {still_meta} are still on the meta device, with no values "
+                           "(buffers that state_dict does not save); pass init_buffers= to compute them")
+    return model
