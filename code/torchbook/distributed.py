@@ -5,7 +5,7 @@
   gloo for the CPU). ``init_distributed`` reads the rank and world size that
   ``torchrun`` publishes through ``init_process_group``'s default ``env://``.
 - ``rank_slice``: this rank's share of a global batch (contiguous rows).
-- ``AllReduceCounter``: a DDP communication hook that counts the gradient
+- ``count_allreduces``: a DDP communication hook that counts the gradient
   all-reduces, to see what ``no_sync`` saves.
 - ``mean_over_ranks``: a value averaged across ranks, for logging.
 - ``is_rank_zero``: only one process writes logs and checkpoints.
@@ -18,8 +18,8 @@ The gradient arithmetic itself (global token count, loss times world size,
 ``no_sync`` on all but the last micro-batch) lives in ``torchbook.train``.
 """
 
-from __future__ import annotations
-
+# No "from __future__ import annotations": DDP checks the comm hook's annotations at runtime
+# and refuses them as strings.
 import os
 import signal
 import socket
@@ -101,21 +101,30 @@ def rank_slice(batch: Tensor, rank: int, world_size: int) -> Tensor:
 
 
 class AllReduceCounter:
-    """A DDP communication hook that counts gradient all-reduces, then does the usual one.
-
-    DDP groups gradients into buckets and all-reduces each bucket once its
-    gradients are ready; the hook is called once per bucket per synchronised
-    backward. Register it with ``ddp_model.register_comm_hook(None, counter)``.
-    """
+    """How many gradient all-reduces DDP has started (see ``count_allreduces``)."""
 
     def __init__(self) -> None:
         self.calls = 0
 
-    def __call__(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        self.calls += 1
-        return allreduce_hook(None, bucket)  # None: the default (world) process group
+def counting_allreduce_hook(state: AllReduceCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook: count the call in ``state``, then do DDP's usual all-reduce (an average)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    state.calls += 1
+    return allreduce_hook(None, bucket)  # None: the default (world) process group
+
+
+def count_allreduces(ddp_model: nn.parallel.DistributedDataParallel) -> AllReduceCounter:
+    """Register the counting hook on ``ddp_model`` and return its counter.
+
+    DDP groups gradients into buckets and all-reduces each bucket as soon as
+    its gradients are ready, so the hook runs once per bucket per synchronised
+    backward; a backward under ``no_sync()`` runs it zero times.
+    """
+    counter = AllReduceCounter()
+    ddp_model.register_comm_hook(counter, counting_allreduce_hook)
+    return counter
 
 
 def mean_over_ranks(value: Tensor) -> Tensor:

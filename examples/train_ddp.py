@@ -1,0 +1,122 @@
+"""Train the book's GPT with DistributedDataParallel on every process torchrun starts.
+
+    python -m torch.distributed.run --nproc_per_node=2 examples/train_ddp.py \
+        --shards DIR --out DIR [--device cpu|cuda]
+
+Each process is one rank: it joins the process group (gloo on the CPU, NCCL on
+CUDA), reads its own share of the token blocks (``TokenStream`` with its rank),
+wraps the model in DDP and trains with the book's ``Trainer``, which skips the
+gradient all-reduce on all but the last micro-batch (``no_sync``), normalises
+by the global target-token count and logs the loss averaged over the ranks.
+A communication hook counts DDP's all-reduces. Rank 0 alone prints, writes the
+log and writes the checkpoint. The process group is destroyed on the way out,
+on errors too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from torchbook.data import StreamConfig, TokenStream, read_shards
+from torchbook.distributed import (DistributedContext, cleanup_distributed, count_allreduces, init_distributed,
+                                   is_rank_zero, mean_over_ranks)
+from torchbook.files import atomic_write, atomic_write_text
+from torchbook.models import GPT, GPTConfig
+from torchbook.profile import DeviceSizes, active_profile
+from torchbook.train import TrainConfig, Trainer
+
+# DDP all-reduces gradients in buckets of about this many megabytes (default 25). The book's tiny
+# GPT would fit in one; small buckets show that the count is per bucket, as in a real model.
+BUCKET_CAP_MB = 0.05
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", type=Path, required=True, help="folder written by torchbook.data.write_shards")
+    parser.add_argument("--out", type=Path, required=True, help="folder for rank 0's log and checkpoint")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: the active profile's device type")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    profile = active_profile()
+    sizes = profile.devices
+    context = init_distributed(args.device or profile.device.type)
+    try:
+        train(args, sizes, context)
+    finally:
+        cleanup_distributed()  # on errors too: the other ranks are not left waiting at a collective
+
+
+def train(args: argparse.Namespace, sizes: DeviceSizes, context: DistributedContext) -> None:
+    started = time.perf_counter()
+    # Every rank builds the same initial weights from the same seed; DDP also broadcasts rank 0's.
+    torch.manual_seed(active_profile().seed)
+    model_config = GPTConfig(vocab_size=sizes.vocab_size, block_size=sizes.block_size,
+                             n_layer=sizes.n_layer, n_head=sizes.n_head, d_model=sizes.d_model)
+    model = GPT(model_config).to(context.device)  # on its device before DDP and before the optimizer
+    ddp_model = DDP(model, device_ids=[context.device.index] if context.device.type == "cuda" else None,
+                    bucket_cap_mb=BUCKET_CAP_MB)
+    counter = count_allreduces(ddp_model)  # a communication hook that counts, then all-reduces
+
+    # Each rank reads different batches: the stream deals global batches out by rank.
+    stream = TokenStream(read_shards(args.shards), StreamConfig(
+        block_size=sizes.block_size, batch_size=sizes.micro_batch_size, seed=1,
+        rank=context.rank, world_size=context.world_size, epochs=None))
+    config = TrainConfig(max_steps=sizes.ddp_steps, lr=sizes.lr, min_lr=sizes.lr / 10, warmup_steps=2,
+                         accum_steps=sizes.accum_steps, log_every=sizes.ddp_steps // 3, eval_every=sizes.ddp_steps)
+    trainer = Trainer(ddp_model, config, context.device)
+    batches = iter(stream)
+    allreduces_per_step = []  # DDP regroups its buckets after the first step; count every step
+    while trainer.step < config.max_steps:
+        calls_before = counter.calls
+        trainer.train_step(list(itertools.islice(batches, config.accum_steps)))  # no_sync inside
+        allreduces_per_step.append(counter.calls - calls_before)
+    history = trainer.history  # a row every log_every steps, the loss averaged over all ranks' tokens
+
+    # The same accumulation by hand without no_sync: DDP all-reduces after every micro-batch.
+    counter.calls = 0
+    for x, y in itertools.islice(batches, sizes.accum_steps):
+        logits = ddp_model(x.to(context.device))
+        F.cross_entropy(logits.flatten(0, 1), y.to(context.device).flatten()).backward()
+    unsynced_per_step = counter.calls
+    ddp_model.zero_grad(set_to_none=True)
+
+    # Each rank evaluates its own next batch; the mean over ranks is what rank 0 logs.
+    x, y = next(batches)
+    with torch.no_grad():
+        local_loss = F.cross_entropy(ddp_model(x.to(context.device)).flatten(0, 1), y.to(context.device).flatten())
+    val_loss = mean_over_ranks(local_loss).item()
+
+    for row in history if is_rank_zero() else []:
+        print(f"step {row['step']:3d}  loss {row['loss']:.4f}  lr {row['lr']:.2e}")
+    print(f"rank {context.rank}: {trainer.step} steps, {counter.calls} all-reduces for one unsynced "
+          f"step, own loss {local_loss.item():.4f}", flush=True)
+    if not is_rank_zero():
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write(args.out / "checkpoint.pt", lambda path: torch.save(trainer.state_dict(), path))
+    result = {
+        "world_size": context.world_size, "backend": context.backend, "steps": trainer.step,
+        "accum_steps": sizes.accum_steps, "history": history,
+        "allreduces_per_step_with_no_sync": allreduces_per_step,
+        "allreduces_per_step_without_no_sync": unsynced_per_step,
+        "val_loss_mean_over_ranks": val_loss, "val_loss_rank0": local_loss.item(),
+        "seconds": time.perf_counter() - started,
+    }
+    atomic_write_text(args.out / "log.json", json.dumps(result, indent=1) + "\n")
+    print(f"rank 0 wrote {args.out / 'log.json'} and {args.out / 'checkpoint.pt'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
