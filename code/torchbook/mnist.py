@@ -124,11 +124,17 @@ def resident_mnist(root: Path | str, train: bool, device: torch.device) -> tuple
 
 
 def resident_batches(
-    images: torch.Tensor, labels: torch.Tensor, batch_size: int, generator: torch.Generator | None = None
+    images: torch.Tensor, labels: torch.Tensor, batch_size: int, generator: torch.Generator | None = None,
+    drop_last: bool = False,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """One shuffled epoch of ``(images, labels)`` batches by indexing; the last batch may be smaller."""
+    """One shuffled epoch of ``(images, labels)`` batches by indexing.
+
+    The last batch is smaller unless ``drop_last`` drops it (every step the
+    same shape, which spares ``torch.compile`` a recompilation).
+    """
     order = torch.randperm(len(images), generator=generator, device="cpu").to(images.device)
-    for start in range(0, len(images), batch_size):
+    end = len(images) - len(images) % batch_size if drop_last else len(images)
+    for start in range(0, end, batch_size):
         index = order[start : start + batch_size]
         # index_select copies whole rows; images[index] takes the general advanced-indexing path, several times slower
         yield images.index_select(0, index), labels.index_select(0, index)
