@@ -1,0 +1,170 @@
+"""Distributed training, run for real: two gloo ranks under torchrun, compared with one process.
+
+The two-rank job (``examples/parallel_checks.py``) runs once per module: DDP,
+then FSDP2, on the same global batches, then a DCP checkpoint. Every launch
+goes through ``torchbook.distributed.launch``, which kills the job's whole
+process group on a timeout or a failure, so a failing test leaves no workers.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torchbook.data import StreamConfig, TokenStream, write_shards
+from torchbook.distributed import LaunchError, launch, rank_slice, torchrun_command
+from torchbook.models import GPT, GPTConfig
+from torchbook.train import IGNORE_INDEX, TrainConfig, Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, ACCUM, ROWS, BLOCK = 4, 2, 8, 16
+MODEL = dict(vocab_size=64, block_size=BLOCK, n_layer=2, n_head=2, d_model=32)
+LR = 3e-3
+TRAIN = dict(max_steps=STEPS, lr=LR, min_lr=LR / 10, warmup_steps=1, accum_steps=ACCUM, log_every=1)
+SEED = 3
+JOB_TIMEOUT_S = 240  # the job takes ~20 s on 2 busy cores; a hung collective is killed long before pytest's
+
+
+def global_batches() -> dict:
+    """Token batches whose second half (rank 1's rows) has far more ignored targets than the first."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (STEPS, ACCUM, ROWS, BLOCK)
+    x = torch.randint(0, MODEL["vocab_size"], shape, generator=generator)
+    y = torch.randint(0, MODEL["vocab_size"], shape, generator=generator)
+    ignore_rate = torch.where(torch.arange(ROWS) < ROWS // 2, 0.1, 0.7).view(1, 1, ROWS, 1)
+    y[torch.rand(shape, generator=generator) < ignore_rate] = IGNORE_INDEX
+    return {"x": x, "y": y, "model": MODEL, "train": TRAIN, "seed": SEED}
+
+
+def one_process_weights(data: dict) -> dict[str, torch.Tensor]:
+    """The reference: one process, the same GPT and Trainer, each micro-batch whole."""
+    torch.manual_seed(data["seed"])
+    model = GPT(GPTConfig(**data["model"]))
+    trainer = Trainer(model, TrainConfig(**data["train"]), "cpu")
+    for step in range(STEPS):
+        trainer.train_step([(data["x"][step, k], data["y"][step, k]) for k in range(ACCUM)])
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("parallel")
+    data = global_batches()
+    torch.save(data, folder / "batches.pt")
+    command = torchrun_command(ROOT / "examples" / "parallel_checks.py",
+                               ["--batches", folder / "batches.pt", "--out", folder])
+    launch(command, timeout_s=JOB_TIMEOUT_S, cwd=ROOT)
+    return folder, data
+
+
+@pytest.mark.slow
+def test_ddp_on_two_ranks_matches_one_process_on_the_global_batch(two_rank_run):
+    folder, data = two_rank_run
+    ddp = torch.load(folder / "ddp_weights.pt", weights_only=True)
+    reference = one_process_weights(data)
+    assert ddp.keys() == reference.keys()
+    worst = max((ddp[name] - reference[name]).abs().max().item() for name in reference)
+    # Summation order differs (per-rank sums, then an all-reduce), ~1e-7 relative in a gradient.
+    # AdamW divides each element by its own RMS, so an element whose gradient is near zero can
+    # move by a sizeable part of lr on a rounding difference: allow 1% of the largest possible
+    # movement, lr x steps. A per-rank mean (the bug the global token count fixes) misses by far more.
+    assert worst <= 0.01 * LR * STEPS, f"DDP and one process differ by {worst:.3g}"
+
+
+@pytest.mark.slow
+def test_fsdp_loss_equals_ddp_loss(two_rank_run):
+    folder, _ = two_rank_run
+    results = json.loads((folder / "results.json").read_text())
+    ddp, fsdp = np.array(results["ddp_losses"]), np.array(results["fsdp_losses"])
+    assert len(ddp) == len(fsdp) == STEPS
+    # reduce-scatter and all-reduce sum in different orders: float32 rounding, ~1e-7 relative
+    np.testing.assert_allclose(fsdp, ddp, rtol=1e-5)
+    assert results["fsdp_parameter"]["type"] == "DTensor"
+    assert results["fsdp_parameter"]["local_shape"][0] * 2 == results["fsdp_parameter"]["global_shape"][0]
+
+
+@pytest.mark.slow
+def test_dcp_checkpoint_of_two_ranks_loads_into_one_process_unchanged(two_rank_run):
+    folder, data = two_rank_run
+    gathered = torch.load(folder / "fsdp_full.pt", weights_only=True)  # FSDP2's own gather, on rank 0
+    model = GPT(GPTConfig(**data["model"]))
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=folder / "dcp", no_dist=True)  # one process reads every shard
+    model.load_state_dict(state["model"])
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, gathered[name]), f"{name} changed in the DCP round trip"
+
+
+def test_rank_split_serves_every_block_once(tmp_path):
+    paths = write_shards(np.arange(1000) % 50, tmp_path, 50, "test", tokens_per_shard=300)
+    seen = []
+    for rank in range(2):
+        stream = TokenStream(paths, StreamConfig(block_size=8, batch_size=4, seed=5, rank=rank, world_size=2))
+        seen.extend(stream.rank_batches(epoch=0).ravel().tolist())
+    used = stream.batches_per_epoch * 2 * 4
+    assert len(seen) == len(set(seen)) == used, "a block was served twice or a batch is missing"
+    assert stream.num_blocks - used == stream.dropped_blocks_per_epoch
+
+
+def test_rank_slice_refuses_a_global_batch_that_does_not_split_evenly():
+    with pytest.raises(ValueError, match="7 rows does not split evenly over 2 ranks"):
+        rank_slice(torch.zeros(7, 3), rank=0, world_size=2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) no longer runs
+    status = Path(f"/proc/{pid}/stat")
+    return not (status.exists() and status.read_text().split(")")[-1].split()[0] == "Z")
+
+
+def _reads(cmdline: Path, text: str) -> bool:
+    try:
+        return text in cmdline.read_bytes().decode(errors="replace")
+    except OSError:  # the process ended while we looked
+        return False
+
+
+def test_launch_kills_children_of_a_job_that_runs_past_its_timeout(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+              "time.sleep(600)\n")
+    with pytest.raises(LaunchError, match="ran past"):
+        launch([sys.executable, "-c", script], timeout_s=3)
+    child = int(pid_file.read_text())
+    time.sleep(0.2)
+    assert not _alive(child), f"the job's child {child} outlived the killed job"
+
+
+@pytest.mark.slow
+def test_a_failing_rank_ends_the_whole_job_with_its_error(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import torch.distributed as dist\n"
+        "from torchbook.distributed import cleanup_distributed\n"
+        "dist.init_process_group('gloo')\n"
+        "try:\n"
+        "    if dist.get_rank() == 1:\n"
+        "        raise RuntimeError('rank 1 fails on purpose')\n"
+        "    dist.barrier()  # rank 0 waits for a rank that will never come\n"
+        "finally:\n"
+        "    cleanup_distributed()\n")
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as failure:
+        launch(torchrun_command(script), timeout_s=JOB_TIMEOUT_S, cwd=ROOT)
+    assert "rank 1 fails on purpose" in str(failure.value)
+    assert time.monotonic() - started < JOB_TIMEOUT_S
+    leftover = [cmdline.parent.name for cmdline in Path("/proc").glob("[0-9]*/cmdline")
+                if _reads(cmdline, str(script))]
+    assert not leftover, f"workers {leftover} outlived the failed job"
