@@ -347,6 +347,8 @@ class Trainer:
             raise ValueError("Trainer.train_step: got no micro-batches; a step needs at least one")
         step_loss, target_tokens = self.accumulate_gradients(micro_batches)
         grad_norm = self.clip_gradients().detach()
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the norm as a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses, before the schedule moves it
         # 5. step (skipped by the scaler if an fp16 gradient is inf/nan), then update the scale.
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
@@ -582,32 +584,23 @@ class Trainer:
 
 def _differs(saved: Any, current: Any) -> bool:
     """True when a saved config value differs from the current one (tuples and lists compare equal)."""
-    if isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)):
-        return list(saved) != list(current)
-    return saved != current
+    as_list = lambda value: list(value) if isinstance(value, (list, tuple)) else value  # noqa: E731
+    return as_list(saved) != as_list(current)
 
 
 def _model_problems(model: nn.Module, saved: Any) -> list[str]:
-    """Missing and unexpected keys, and tensors of the wrong shape or dtype, in a saved model state."""
+    """Missing and unexpected keys, and tensors of another shape or dtype, in a saved model state."""
     if not isinstance(saved, Mapping):
         return [f"model: a {type(saved).__name__}, expected a state_dict (a dict of tensors)"]
     expected = model.state_dict()
-    problems = []
-    missing = [key for key in expected if key not in saved]
-    unexpected = [key for key in saved if key not in expected]
-    if missing:
-        problems.append(f"model: {len(missing)} missing keys, e.g. {missing[:3]}")
-    if unexpected:
-        problems.append(f"model: {len(unexpected)} unexpected keys, e.g. {unexpected[:3]}")
+    problems = [f"model: {len(keys)} {kind} keys, e.g. {keys[:3]}" for kind, keys in (
+        ("missing", [k for k in expected if k not in saved]), ("unexpected", [k for k in saved if k not in expected]))
+        if keys]
     for key, target in expected.items():
-        source = saved.get(key)
-        if key not in saved:
-            continue
-        if not isinstance(source, Tensor):
-            problems.append(f"model[{key!r}]: a {type(source).__name__}, expected a tensor")
-        elif source.shape != target.shape or source.dtype != target.dtype:
-            problems.append(f"model[{key!r}]: {source.dtype} {tuple(source.shape)}, "
-                            f"expected {target.dtype} {tuple(target.shape)}")
+        source = saved.get(key, target)
+        if not isinstance(source, Tensor) or source.shape != target.shape or source.dtype != target.dtype:
+            found = f"{source.dtype} {tuple(source.shape)}" if isinstance(source, Tensor) else type(source).__name__
+            problems.append(f"model[{key!r}]: {found}, expected {target.dtype} {tuple(target.shape)}")
     return problems
 
 
@@ -621,41 +614,29 @@ def _optimizer_problems(optimizer: torch.optim.Optimizer, saved: Any) -> list[st
         return ["optimizer: 'param_groups' is not a list of groups with 'params' lists"]
     if not isinstance(states, Mapping) or not all(isinstance(entry, Mapping) for entry in states.values()):
         return ["optimizer: 'state' is not a dict of per-parameter dicts"]
-    if len(groups) != len(optimizer.param_groups):
-        return [f"optimizer: {len(groups)} parameter groups in the state, {len(optimizer.param_groups)} now"]
-    problems, parameters = [], {}
-    for number, (old, new) in enumerate(zip(groups, optimizer.param_groups)):
-        if len(old["params"]) != len(new["params"]):
-            problems.append(f"optimizer group {number}: {len(old['params'])} parameters in the state, "
-                            f"{len(new['params'])} now")
-        parameters.update(zip(old["params"], new["params"]))
-    for index, entries in states.items():
-        parameter = parameters.get(index)
-        if parameter is None:
-            problems.append(f"optimizer state for parameter {index!r}, which no group lists")
-            continue
-        for name, value in entries.items():
-            if isinstance(value, Tensor) and value.dim() > 0 and value.shape != parameter.shape:
-                problems.append(f"optimizer state {name!r} of parameter {index}: shape {tuple(value.shape)}, "
-                                f"the parameter has {tuple(parameter.shape)}")
-    return problems
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        return [f"optimizer: groups of {[len(g['params']) for g in groups]} parameters in the state, "
+                f"{[len(g['params']) for g in optimizer.param_groups]} now"]
+    parameters = {old: new for g, h in zip(groups, optimizer.param_groups) for old, new in zip(g["params"], h["params"])}
+    return [f"optimizer state {name!r} of parameter {index!r}: shape {tuple(value.shape)}, expected "
+            f"{tuple(parameters[index].shape)}" if index in parameters else f"optimizer state for unknown {index!r}"
+            for index, entries in states.items() for name, value in entries.items()
+            if index not in parameters or (isinstance(value, Tensor) and value.dim() > 0
+                                           and value.shape != parameters[index].shape)]
 
 
 def _pending_problems(pending: Any) -> list[str]:
     """Whether the not-yet-logged steps are lists and tensors of one length."""
     if not isinstance(pending, Mapping) or any(key not in pending for key in PENDING_KEYS):
         return [f"pending: expected a dict with {', '.join(PENDING_KEYS)}"]
-    count = len(pending["steps"]) if isinstance(pending["steps"], list) else -1
-    problems = []
-    if count < 0 or not all(_is_count(step) for step in pending["steps"]):
-        problems.append("pending['steps']: expected a list of ints")
-    if not isinstance(pending["lr"], list) or len(pending["lr"]) != count \
-            or not all(isinstance(lr, (int, float)) for lr in pending["lr"]):
-        problems.append(f"pending['lr']: expected a list of {count} numbers")
-    for key in ("loss", "grad_norm", "target_tokens"):
-        value = pending[key]
-        if not isinstance(value, Tensor) or value.shape != (max(count, 0),):
-            problems.append(f"pending[{key!r}]: expected a tensor of shape ({max(count, 0)},)")
+    steps, rates = pending["steps"], pending["lr"]
+    if not isinstance(steps, list) or not all(_is_count(step) for step in steps):
+        return ["pending['steps']: expected a list of ints"]
+    problems = [] if isinstance(rates, list) and len(rates) == len(steps) and all(
+        isinstance(lr, (int, float)) for lr in rates) else [f"pending['lr']: expected a list of {len(steps)} numbers"]
+    problems += [f"pending[{key!r}]: expected a tensor of shape ({len(steps)},)"
+                 for key in ("loss", "grad_norm", "target_tokens")
+                 if not isinstance(pending[key], Tensor) or pending[key].shape != (len(steps),)]
     if not isinstance(pending["seconds"], (int, float)):
         problems.append("pending['seconds']: expected a number")
     return problems
