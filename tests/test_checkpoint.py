@@ -475,3 +475,11 @@ def test_a_full_disk_during_save_weights_names_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "save", full_disk("torch"))
     with pytest.raises(CheckpointError, match=rf"{tmp_path / 'w.pt'}: could not be written"):
         ckpt.save_weights(fresh_mlp(0), tmp_path / "w.pt")
+
+
+def test_a_long_list_of_missing_keys_is_cut_short_with_its_count(tmp_path):
+    ckpt.save_weights(fresh_gpt(0), tmp_path / "gpt.pt")
+    much_deeper = fresh_gpt(1, GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=2, d_model=32))
+    missing = 6 * 12  # six extra blocks of 12 tensors each
+    with pytest.raises(CheckpointError, match=rf"{missing} missing keys .* and {missing - ckpt.LISTED_KEYS} more"):
+        ckpt.load_weights(much_deeper, tmp_path / "gpt.pt")
