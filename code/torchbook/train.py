@@ -37,7 +37,9 @@ multiplies each micro-batch loss by the world size (undoing the averaging, so
 the gradient is that of the global mean loss, whatever the tokens per rank),
 and runs all but the last micro-batch without gradient synchronisation
 (``model.no_sync()`` for DDP, ``model.set_requires_gradient_sync(False)`` for
-FSDP2). The logged loss is the global mean.
+FSDP2). The logged loss is the global mean. (``state_dict`` suits one process
+or DDP; an FSDP2 model's weights are sharded DTensors, which
+``torch.distributed.checkpoint`` saves.)
 
 The trainer keeps no global state: the caller seeds the model's initialisation
 (and the global generator that dropout draws from) and the data; the loop
