@@ -319,7 +319,7 @@ def test_optimizer_of_another_shape_is_refused_before_the_model_changes(tmp_path
     one_group = torch.optim.AdamW(model.parameters())
     target = Trainer(model, TrainConfig(precision="fp16"), torch.device("cpu"), optimizer=one_group)
     before = snapshot(model)
-    with pytest.raises(CheckpointError, match="optimizer: 2 parameter groups in the state, 1 now"):
+    with pytest.raises(CheckpointError, match=r"optimizer: groups of \[\d+, \d+\] parameters in the state, \[\d+\] now"):
         ckpt.load_training_checkpoint(path, target)
     assert_same_tensors(snapshot(model), before)
 
