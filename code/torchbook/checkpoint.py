@@ -1,41 +1,32 @@
 """Exact resume: weights and the full training state, saved atomically and refused when bad.
 
-Two kinds of ``torch.save`` file:
+- **Weights** (``save_weights`` / ``load_weights``): a ``torch.save`` of the
+  model's ``state_dict``. To publish weights, see ``torchbook.weights`` (safetensors).
+- **Training checkpoints** (``save_training_checkpoint`` / ``load_training_checkpoint``):
+  the trainer's ``state_dict()`` (model, optimizer, scheduler, scaler, step,
+  skipped steps, history, losses not yet logged, config), the random generators
+  (Python, NumPy, torch CPU, CUDA, MPS), the data position and the model config.
 
-- **Weights** (``save_weights`` / ``load_weights``): the model's ``state_dict``
-  and nothing else. (To publish weights, see ``torchbook.weights``: safetensors.)
-- **Training checkpoints** (``save_training_checkpoint`` /
-  ``load_training_checkpoint``): everything a run needs to continue as if it had
-  never stopped: the trainer's ``state_dict()`` (model, optimizer, scheduler,
-  scaler, step, skipped steps, history, losses not yet logged, its config),
-  the random-number generators (Python, NumPy, torch CPU, CUDA and MPS), the
-  data stream's position and the model configuration.
+Every file loads with ``torch.load(..., weights_only=True)`` (tensors and plain
+values only: loading runs no code), is written through
+``torchbook.files.atomic_write`` (a crash leaves the previous file whole), and
+is checked entirely before anything live changes; every error is a
+``CheckpointError`` naming the file.
 
-Rules every function here keeps:
+**Rotation keeps the newest written.** A checkpoint's name carries a save
+sequence, one more than the highest in its folder, beside its step
+(``ckpt-000007-step-00000042.pt``). "Latest" and "keep the last N" follow the
+sequence, never the step or the file's time, so a run restarted from an older
+step never loses its new checkpoint to an old one with a higher step. One
+process writes to a folder at a time.
 
-- **Files load with ``torch.load(..., weights_only=True)``**: only tensors and
-  plain values, so loading never runs code from the file. Saving refuses
-  anything else, naming the key.
-- **One atomic writer** (``torchbook.files.atomic_write``): a crash during a
-  save leaves the previous checkpoint whole.
-- **Everything is checked before anything changes**: a refused load leaves
-  model, optimizer, generators and data position as they were, and every error
-  names the file (``CheckpointError``).
-- **Rotation keeps the newest written.** Each checkpoint's name carries a save
-  sequence number, one more than the highest in the folder, next to its step
-  (``ckpt-000007-step-00000042.pt``). "Latest" and "keep the last N" go by that
-  sequence, never by step or file time, so a run restarted from an older step
-  never has its new checkpoint deleted in favour of an old one with a higher
-  step. One process writes to a folder at a time.
-
-**What else exact resume depends on.** The checkpoint restores every state a
-run holds, but the run must also be deterministic: the same operations in the
-same order (``torch.use_deterministic_algorithms(True)``, a fixed number of CPU
-threads, the same device and library versions). A ``DataLoader`` with
+**What else exact resume depends on.** The run must be deterministic: same
+operations in the same order (``torch.use_deterministic_algorithms(True)``, a
+fixed number of CPU threads, same device and versions). A ``DataLoader`` with
 ``shuffle=True`` or workers draws its base seed from the *global* torch
-generator each time it is iterated, so iterate it after ``restore_rng_state``
-(or give it its own ``generator``), and restore its position from the data
-state, as ``examples/resume_demo.py`` does with the ``TokenStream``.
+generator each time it is iterated: iterate it after ``restore_rng_state`` (or
+give it its own ``generator``) and restore its position from the data state,
+as ``examples/resume_demo.py`` does with its ``TokenStream``.
 """
 
 from __future__ import annotations
