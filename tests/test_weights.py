@@ -85,6 +85,13 @@ def test_different_views_of_one_storage_are_refused():
         weights.drop_shared({"a": base, "b": base[1:]})
 
 
+def test_overlapping_views_are_refused_naming_the_file_not_written(tmp_path):
+    base = torch.zeros(4, 4)
+    with pytest.raises(WeightsError, match=rf"{tmp_path / 'w.safetensors'}: not written; b: shares memory with a"):
+        weights.save_safetensors({"a": base, "b": base[1:]}, tmp_path / "w.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_truncated_safetensors_is_refused_with_its_path(tmp_path):
     path = weights.save_safetensors(TinyMLP(8, 16, 4), tmp_path / "weights.safetensors")
     path.write_bytes(path.read_bytes()[:-100])

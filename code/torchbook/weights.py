@@ -120,10 +120,14 @@ def drop_shared(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch
     return tensors, aliases
 
 
-def _to_publish(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, str]]:
+def _to_publish(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], target: Path
+                ) -> tuple[dict, dict[str, str]]:
     state_dict = (unwrap_model(model_or_state_dict).state_dict() if isinstance(model_or_state_dict, nn.Module)
                   else unwrap_state_dict(model_or_state_dict))
-    return drop_shared(state_dict)
+    try:
+        return drop_shared(state_dict)
+    except WeightsError as error:
+        raise WeightsError(f"{target}: not written; {error}") from error
 
 
 def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> Path:
@@ -141,7 +145,7 @@ def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata
 def save_safetensors(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], path: str | Path,
                      metadata: Mapping[str, str] | None = None) -> Path:
     """Export weights to one safetensors file, atomically, each tied tensor once (as ``save_model``)."""
-    tensors, aliases = _to_publish(model_or_state_dict)
+    tensors, aliases = _to_publish(model_or_state_dict, Path(path))
     header = {str(key): str(value) for key, value in (metadata or {}).items()}
     clash = sorted(set(header) & (set(tensors) | set(aliases)))
     if clash:
@@ -226,7 +230,7 @@ def save_sharded_safetensors(model_or_state_dict: nn.Module | Mapping[str, torch
     shard of its own; a tied name is recorded in the metadata of the shard that
     holds its tensor. The index is written last: until it exists, no shard set is complete.
     """
-    tensors, aliases = _to_publish(model_or_state_dict)
+    tensors, aliases = _to_publish(model_or_state_dict, Path(folder))
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
     for name, tensor in tensors.items():
