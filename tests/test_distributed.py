@@ -90,6 +90,7 @@ def test_fsdp_loss_equals_ddp_loss(two_rank_run):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process is the intent
 def test_dcp_checkpoint_of_two_ranks_loads_into_one_process_unchanged(two_rank_run):
     folder, data = two_rank_run
     gathered = torch.load(folder / "fsdp_full.pt", weights_only=True)  # FSDP2's own gather, on rank 0
