@@ -41,7 +41,7 @@ import torch
 
 from torchbook.cache import shakespeare_path
 from torchbook.checkpoint import Resumed, latest_checkpoint, load_training_checkpoint, save_training_checkpoint
-from torchbook.data import StreamConfig, TokenStream, write_shard
+from torchbook.data import ShardError, StreamConfig, TokenStream, read_header, write_shard
 from torchbook.files import atomic_write
 from torchbook.models import GPT, GPTConfig
 from torchbook.profile import CheckpointSizes, active_profile
@@ -80,9 +80,15 @@ def die_halfway_through_saves() -> None:
 
 
 def byte_shard(folder: Path) -> Path:
-    """Tiny Shakespeare as one shard of byte tokens in ``folder`` (written once)."""
+    """Tiny Shakespeare as one shard of byte tokens in ``folder``, rewritten unless it reads back whole.
+
+    A run killed inside ``write_shard`` can leave a ``.bin`` without its
+    sidecar: the shard is trusted only when ``read_header`` validates the pair.
+    """
     path = Path(folder) / "shakespeare_bytes.bin"
-    if not path.exists():
+    try:
+        read_header(path)
+    except ShardError:
         tokens = np.frombuffer(shakespeare_path().read_bytes(), dtype=np.uint8)
         write_shard(path, tokens, vocab_size=BYTE_VOCAB, tokenizer="utf-8 bytes")
     return path

@@ -1,23 +1,47 @@
 """torchbook: the tested code behind *PyTorch Essentials for LLM Work*.
 
-Each module stands alone so it can be copied into another project; it imports
-only the libraries its topic needs and at most ``torchbook.profile``:
+Each module reads on its own and can be copied into another project: it
+imports only the libraries its topic needs and at most the package's two small
+helpers, ``torchbook.profile`` and ``torchbook.files``. The few that build on
+another module say so below.
+
+Helpers:
 
 - ``profile``: the one place that picks the device and every run size (``QUARTO_PROFILE``).
+- ``files``: the one atomic writer (temporary, fsync, rename, fsync of the folder).
+
+Chapters 1-5:
+
 - ``cache``: finds or downloads MNIST and Tiny Shakespeare, verified by SHA-256, and
   names the folder for derived files.
-- ``models``: the small GPT (pre-norm, RoPE, SDPA, tied head), the seed's TinyMLP,
-  parameter counting.
-- ``train``: the training loop (autocast, fp32 loss, accumulation, scaler, clipping,
-  warmup + cosine schedule, history).
-- ``plotting``: loss curves from a training history.
+- ``models``: the small GPT (pre-norm, RoPE, SDPA, tied head), the tutorial TinyMLP,
+  parameter counting, ``check_token_ids``.
+- ``train``: the training loop (autocast, fp32 loss, token-normalised accumulation, scaler,
+  clipping, warmup + cosine), ``StepResult``, ``build_optimizer``, the ``Trainer``'s
+  ``state_dict``/``load_state_dict``, and the gradient arithmetic of DDP and FSDP2.
+- ``charlm``: chapter 3's character-level language model on Tiny Shakespeare as one
+  experiment (builds on ``models`` and ``train``).
+- ``plotting``: loss curves and training diagnostics from a history.
 - ``data``: token shards on disk and a streaming ``IterableDataset`` over them,
   split across workers and ranks, resumable.
 - ``tokenizer``: a byte-level BPE tokenizer trained locally with ``tokenizers``.
 - ``chat``: chat records into training examples (template, prompt masking, padding, packing).
-- ``mnist``: MNIST through torchvision and as resident tensors.
-- ``checkpoint``: weights and full training state, atomic and ``weights_only``-safe;
-  safetensors (tied and sharded); loading on the ``meta`` device.
-- ``resume_demo``: the kill-and-resume run that proves exact resume
-  (``python -m torchbook.resume_demo``).
+- ``hf``: the tokenizer and chat template as a ``transformers`` tokenizer (builds on
+  ``tokenizer`` and ``chat``).
+- ``checkpoint``: exact resume: weights and the full training state (``Trainer.state_dict``,
+  RNG including MPS, data position), atomic, ``weights_only``-safe, rotation by save sequence.
+- ``weights``: publishing: safetensors (tied weights as ``save_model`` stores them), a
+  sharded index, loading on the ``meta`` device.
+
+Chapters 6-7 and the results of full-size runs:
+
+- ``distributed``: process groups, rank slices, all-reduce counting and launching
+  ``torchrun`` jobs that always end.
+- ``mnist``: MNIST from the verified raw files, through torchvision and as resident tensors.
+- ``lab``: the lab's MLP and seven drills, as functions and as a script (builds on
+  ``mnist`` and ``train``); ``drills``: the exercise notebook's checkers.
+- ``results``: results of full-size runs as JSON with provenance, and their staleness.
+
+Scripts a chapter launches (the kill-and-resume run, the ``torchrun`` job,
+``make gpu-results``) live in ``examples/``, outside the package.
 """
