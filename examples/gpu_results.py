@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from torchbook.cache import repository_root, shakespeare_path
-from torchbook.charlm import history_series, load_corpus, train_char_lm, unigram_baseline
+from torchbook.charlm import load_corpus, train_char_lm, unigram_baseline
 from torchbook.profile import active_profile
-from torchbook.results import make_provenance, write_result
+from torchbook.results import history_series, make_provenance, write_result
 
 # What each run's numbers depend on: a change to any of these makes its file stale.
 LM_SOURCES = ("code/torchbook/charlm.py", "code/torchbook/models.py", "code/torchbook/train.py",

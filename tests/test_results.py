@@ -14,6 +14,8 @@ import torch
 from torchbook.results import (
     ResultsError,
     find_results,
+    history_rows,
+    history_series,
     make_provenance,
     read_result,
     stale_sources,
@@ -50,6 +52,17 @@ def test_a_written_result_reads_back_with_its_history_and_provenance(tmp_path, s
     assert result.provenance["wall_seconds"] == 1.5
     assert set(result.provenance["sources"]) == {"code/model.py", "code/train.py"}
     assert result.label.startswith("CPU ")
+
+
+def test_a_trainer_history_survives_the_trip_through_a_results_file(tmp_path, sources):
+    history = [
+        {"step": 10, "loss": 3.0, "lr": 1e-3, "grad_norm": 2.0, "tokens_per_second": 900.0},
+        {"step": 20, "loss": 2.5, "lr": 1e-3, "grad_norm": 1.5, "tokens_per_second": 950.0, "val_loss": 2.6},
+        {"step": 30, "loss": 2.2, "lr": 5e-4, "grad_norm": 1.2, "tokens_per_second": 940.0, "val_loss": 2.4},
+    ]
+    provenance = make_provenance(torch.device("cpu"), sources, ["code/model.py"], wall_seconds=2.0)
+    path = write_result(tmp_path / "lm-cpu.json", "lm", "cpu", {}, history_series(history), provenance)
+    assert history_rows(read_result(path)) == history
 
 
 def test_find_results_returns_every_file_of_one_run(tmp_path, sources):

@@ -121,12 +121,3 @@ def train_char_lm(corpus: CharCorpus, sizes: LanguageModelSizes, device: torch.d
         torch.cuda.synchronize(device)
     return CharLMRun(trainer=trainer, train_seconds=time.perf_counter() - started)
 
-
-def history_series(history: list[dict]) -> dict[str, dict[str, list[float]]]:
-    """A Trainer history as the columns of a results file: every logged row, and the rows with ``val_loss``."""
-    train_keys = ("step", "loss", "lr", "grad_norm", "tokens_per_second")
-    train = {key: [float(row[key]) for row in history] for key in train_keys}
-    evaluated = [row for row in history if "val_loss" in row]
-    val = {"step": [float(row["step"]) for row in evaluated], "loss": [float(row["val_loss"]) for row in evaluated]}
-    return {"train": train, "val": val}
-

@@ -225,6 +225,28 @@ def find_results(folder: str | Path, run: str) -> list[RunResult]:
     return sorted(found, key=lambda result: result.provenance["date"], reverse=True)
 
 
+def history_series(history: list[dict]) -> dict[str, dict[str, list[float]]]:
+    """A ``Trainer`` history as the series of a results file: "train" (every row) and "val" (rows with ``val_loss``)."""
+    train_keys = [key for key in ("step", "loss", "lr", "grad_norm", "tokens_per_second")
+                  if all(key in row for row in history)]
+    train = {key: [float(row[key]) for row in history] for key in train_keys}
+    evaluated = [row for row in history if "val_loss" in row]
+    val = {"step": [float(row["step"]) for row in evaluated], "loss": [float(row["val_loss"]) for row in evaluated]}
+    return {"train": train, "val": val}
+
+
+def history_rows(result: RunResult) -> list[dict[str, float]]:
+    """The inverse of ``history_series``: one dict per logged step, ``val_loss`` where it was evaluated."""
+    train = result.history.get("train", {})
+    rows = [dict(zip(train, values)) for values in zip(*train.values())]
+    val = result.history.get("val", {})
+    val_losses = dict(zip(val.get("step", []), val.get("loss", [])))
+    for row in rows:
+        if row["step"] in val_losses:
+            row["val_loss"] = val_losses[row["step"]]
+    return rows
+
+
 def stale_sources(result: RunResult, root: str | Path) -> list[str]:
     """The source files the result depends on that changed (or vanished) since it was made."""
     root = Path(root)
