@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import LogFormatter
 
 # How each key is drawn: training dense and thin, validation sparse with markers.
 LINE_STYLES = {
@@ -108,6 +109,9 @@ def plot_diagnostics(
         ax.plot([row["step"] for row in rows], [row[key] for row in rows], linewidth=1.2)
         if log_scale:
             ax.set_yscale("log")
+            # Plain numbers (0.5, 2) rather than 5x10^-1: a norm rarely spans many decades.
+            ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+            ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
