@@ -93,7 +93,7 @@ def test_provenance_names_device_torch_date_and_commit():
 
 
 def test_script_writes_one_json_named_after_the_profile(tmp_path, monkeypatch):
-    def small_lab(profile, folder):
+    def small_lab(profile, folder=None):
         return {"run": "lab", "profile": profile.name, "provenance": lab.provenance(profile),
                 "drills": {"1": {"accuracy": 0.98}}, "histories": {"adamw": {"step_loss": [1.0]}}}
 

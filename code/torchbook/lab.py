@@ -20,6 +20,7 @@ import math
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -352,8 +353,12 @@ def provenance(profile: Profile) -> dict:
             "git_commit": commit}
 
 
-def run_lab(profile: Profile, folder: Path) -> dict:
-    """All seven drills in order; returns the results document written by ``main``."""
+def run_lab(profile: Profile, folder: Path | None = None) -> dict:
+    """All seven drills in order; returns the results document that ``main`` writes.
+
+    Drills 6 and 7 write the weights into ``folder``, or into a temporary
+    folder deleted afterwards when it is None; the document names the files only.
+    """
     data = load_data(profile.device)
     model, _, first = drill_1(data, profile)
     histories = {"adamw": first.pop("history")}
@@ -364,8 +369,11 @@ def run_lab(profile: Profile, folder: Path) -> dict:
     histories["accumulated"] = fourth.pop("history")
     _, fifth = drill_5(data, profile, model, histories["adamw"])
     histories["bf16"] = fifth.pop("history")
-    _, sixth = drill_6(model, data, profile, folder)
-    _, seventh = drill_7(model, folder)
+    with tempfile.TemporaryDirectory(prefix="lab-") as temporary:
+        _, sixth = drill_6(model, data, profile, folder or Path(temporary))
+        _, seventh = drill_7(model, folder or Path(temporary))
+    for result in (sixth, seventh):
+        result["path"] = Path(result["path"]).name
     drills.update({"3": third, "4": fourth, "5": fifth, "6": sixth, "7": seventh})
     return {"run": "lab", "profile": profile.name, "provenance": provenance(profile),
             "sizes": {name: getattr(profile.lab, name) for name in profile.lab.__dataclass_fields__},
@@ -375,10 +383,10 @@ def run_lab(profile: Profile, folder: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the lab's seven drills and write their results as JSON.")
     parser.add_argument("--profile", choices=("cpu", "gpu"), default="cpu")
-    parser.add_argument("--out", type=Path, required=True, help="folder for lab-<profile>.json and the weights")
+    parser.add_argument("--out", type=Path, required=True, help="folder for lab-<profile>.json")
     args = parser.parse_args(argv)
     profile = make_profile(args.profile)
-    results = run_lab(profile, args.out)
+    results = run_lab(profile)
     target = atomic_write_text(args.out / f"lab-{profile.name}.json", json.dumps(results, indent=1) + "\n")
     for number, result in results["drills"].items():
         summary = {key: value for key, value in result.items() if isinstance(value, (int, float, bool))}
