@@ -115,7 +115,7 @@ def train(args: argparse.Namespace, sizes: DeviceSizes, context: DistributedCont
         "seconds": time.perf_counter() - started,
     }
     atomic_write_text(args.out / "log.json", json.dumps(result, indent=1) + "\n")
-    print(f"rank 0 wrote {args.out / 'log.json'} and {args.out / 'checkpoint.pt'}", flush=True)
+    print(f"rank 0 wrote log.json and checkpoint.pt in {args.out.name}/", flush=True)
 
 
 if __name__ == "__main__":
