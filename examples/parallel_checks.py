@@ -14,7 +14,8 @@ Rank 0 writes, into ``--out``:
 - ``fsdp_full.pt``: the FSDP2 model's weights gathered into one plain state_dict;
 - ``dcp/``: the FSDP2 model and optimizer as a sharded ``torch.distributed.checkpoint``
   (every rank writes its own shards);
-- ``results.json``: losses, DTensor placements and shapes, bytes per rank.
+- ``results.json``: DDP's losses and gradient norms, FSDP2's losses, DTensor
+  placements and shapes, bytes per rank.
 """
 
 from __future__ import annotations
@@ -54,14 +55,14 @@ def my_micro_batches(data: dict, step: int, context: DistributedContext) -> list
             for k in range(data["x"].size(1))]
 
 
-def train_ddp(data: dict, context: DistributedContext) -> tuple[GPT, list[float]]:
+def train_ddp(data: dict, context: DistributedContext) -> tuple[GPT, list[float], list[float]]:
     torch.manual_seed(data["seed"])
     model = GPT(GPTConfig(**data["model"])).to(context.device)
     ddp_model = DDP(model, device_ids=[context.device.index] if context.device.type == "cuda" else None)
     trainer = Trainer(ddp_model, TrainConfig(**data["train"]), context.device)
-    losses = [trainer.train_step(my_micro_batches(data, step, context)).loss.item()
-              for step in range(data["x"].size(0))]
-    return model, losses
+    results = [trainer.train_step(my_micro_batches(data, step, context)) for step in range(data["x"].size(0))]
+    # The gradient norm before clipping: the gradient itself, which AdamW's update would hide.
+    return model, [r.loss.item() for r in results], [r.grad_norm.item() for r in results]
 
 
 def train_fsdp(data: dict, context: DistributedContext, bf16: bool) -> tuple[GPT, Trainer, list[float], dict]:
@@ -95,7 +96,7 @@ def main() -> None:
 def run(args: argparse.Namespace, context: DistributedContext) -> None:
     started = time.perf_counter()
     data = torch.load(args.batches, weights_only=True)
-    ddp_model, ddp_losses = train_ddp(data, context)
+    ddp_model, ddp_losses, ddp_grad_norms = train_ddp(data, context)
     fsdp_model, trainer, fsdp_losses, layout = train_fsdp(data, context, args.bf16)
 
     # A sharded checkpoint: every rank writes its own shards, and a metadata file says where each piece is.
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace, context: DistributedContext) -> None:
     atomic_write(args.out / "ddp_weights.pt", lambda path: torch.save(ddp_model.state_dict(), path))
     atomic_write(args.out / "fsdp_full.pt", lambda path: torch.save(full, path))
     result = {"world_size": context.world_size, "backend": context.backend, "ddp_losses": ddp_losses,
+              "ddp_grad_norms": ddp_grad_norms,
               "fsdp_losses": fsdp_losses, "fsdp_parameter": layout, "bytes_per_rank": bytes_per_rank,
               "bf16": args.bf16, "seconds": time.perf_counter() - started}
     atomic_write_text(args.out / "results.json", json.dumps(result, indent=1) + "\n")

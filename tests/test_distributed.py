@@ -42,14 +42,14 @@ def global_batches() -> dict:
     return {"x": x, "y": y, "model": MODEL, "train": TRAIN, "seed": SEED}
 
 
-def one_process_weights(data: dict) -> dict[str, torch.Tensor]:
-    """The reference: one process, the same GPT and Trainer, each micro-batch whole."""
+def one_process_run(data: dict) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The reference: one process, the same GPT and Trainer, each micro-batch whole; weights and gradient norms."""
     torch.manual_seed(data["seed"])
     model = GPT(GPTConfig(**data["model"]))
     trainer = Trainer(model, TrainConfig(**data["train"]), "cpu")
-    for step in range(STEPS):
-        trainer.train_step([(data["x"][step, k], data["y"][step, k]) for k in range(ACCUM)])
-    return model.state_dict()
+    norms = [trainer.train_step([(data["x"][step, k], data["y"][step, k]) for k in range(ACCUM)]).grad_norm.item()
+             for step in range(STEPS)]
+    return model.state_dict(), norms
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def two_rank_run(tmp_path_factory):
 def test_ddp_on_two_ranks_matches_one_process_on_the_global_batch(two_rank_run):
     folder, data = two_rank_run
     ddp = torch.load(folder / "ddp_weights.pt", weights_only=True)
-    reference = one_process_weights(data)
+    reference, _ = one_process_run(data)
     assert ddp.keys() == reference.keys()
     worst = max((ddp[name] - reference[name]).abs().max().item() for name in reference)
     # Summation order differs (per-rank sums, then an all-reduce), ~1e-7 relative in a gradient.
@@ -75,6 +75,17 @@ def test_ddp_on_two_ranks_matches_one_process_on_the_global_batch(two_rank_run):
     # move by a sizeable part of lr on a rounding difference: allow 1% of the largest possible
     # movement, lr x steps. A per-rank mean (the bug the global token count fixes) misses by far more.
     assert worst <= 0.01 * LR * STEPS, f"DDP and one process differ by {worst:.3g}"
+
+
+@pytest.mark.slow
+def test_ddp_gradient_norms_match_one_process(two_rank_run):
+    # AdamW's update barely depends on the gradient's scale, so the weights alone would not notice
+    # a gradient off by a constant factor (a missing "x world_size"); the norm before clipping does.
+    folder, data = two_rank_run
+    ddp_norms = json.loads((folder / "results.json").read_text())["ddp_grad_norms"]
+    _, reference_norms = one_process_run(data)
+    # float32 summation order: ~1e-7 relative in the gradient, a little more after 3 AdamW steps
+    np.testing.assert_allclose(ddp_norms, reference_norms, rtol=1e-4)
 
 
 @pytest.mark.slow
