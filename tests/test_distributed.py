@@ -18,7 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchbook.data import StreamConfig, TokenStream, write_shards
-from torchbook.distributed import LaunchError, launch, rank_slice, torchrun_command
+from torchbook.distributed import (LaunchError, backend_for, launch, local_bytes, mean_over_ranks, rank_slice,
+                                   torchrun_command)
 from torchbook.models import GPT, GPTConfig
 from torchbook.train import IGNORE_INDEX, TrainConfig, Trainer
 
@@ -127,6 +128,30 @@ def test_rank_split_serves_every_block_once(tmp_path):
 def test_rank_slice_refuses_a_global_batch_that_does_not_split_evenly():
     with pytest.raises(ValueError, match="7 rows does not split evenly over 2 ranks"):
         rank_slice(torch.zeros(7, 3), rank=0, world_size=2)
+
+
+def test_backend_is_nccl_on_cuda_and_gloo_on_the_cpu():
+    assert (backend_for("cuda"), backend_for(torch.device("cuda", 1)), backend_for("cpu")) == ("nccl", "nccl", "gloo")
+
+
+def test_mean_over_ranks_without_a_process_group_is_the_value_itself():
+    value = torch.tensor(2.5)
+    assert mean_over_ranks(value).item() == 2.5
+
+
+def test_local_bytes_counts_parameters_and_both_adamw_moments():
+    model = torch.nn.Linear(3, 5)  # 15 + 5 float32 elements
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 3)).sum().backward()
+    optimizer.step()
+    held = local_bytes(model, optimizer)
+    step_counters = 2 * 4  # AdamW keeps a float32 step count per parameter tensor
+    assert held == {"parameters": 20 * 4, "optimizer_state": 2 * 20 * 4 + step_counters}
+
+
+def test_launch_reports_a_failed_command_with_its_output():
+    with pytest.raises(LaunchError, match=r"exited with code 3(.|\n)*the reason"):
+        launch([sys.executable, "-c", "import sys; print('the reason'); sys.exit(3)"], timeout_s=60)
 
 
 def _alive(pid: int) -> bool:
