@@ -37,7 +37,7 @@ Chapters 6-7 and the results of full-size runs:
 
 - ``distributed``: process groups, rank slices, all-reduce counting and launching
   ``torchrun`` jobs that always end.
-- ``mnist``: MNIST from the verified raw files, through torchvision and as resident tensors.
+- ``mnist``: MNIST read from its verified raw IDX files, as a dataset of PIL images and as resident tensors.
 - ``lab``: the lab's MLP and seven drills, as functions and as a script (builds on
   ``mnist`` and ``train``); ``drills``: the exercise notebook's checkers.
 - ``results``: results of full-size runs as JSON with provenance, and their staleness.

@@ -258,6 +258,12 @@ def stale_sources(result: RunResult, root: str | Path) -> list[str]:
     return changed
 
 
+def plot_label(result: RunResult, root: str | Path) -> str:
+    """How a figure's legend names a stored run: profile, device, date, and whether its code changed since."""
+    stale = " (code changed since)" if stale_sources(result, root) else ""
+    return f"stored: {result.profile} profile, {result.label}{stale}"
+
+
 def staleness_note(result: RunResult, root: str | Path) -> str | None:
     """A sentence for the figure when the code changed since the result was made, else None."""
     changed = stale_sources(result, root)
