@@ -24,6 +24,7 @@ import torch
 
 from torchbook.cache import repository_root, shakespeare_path
 from torchbook.charlm import load_corpus, train_char_lm, unigram_baseline
+from torchbook.lab import write_lab_results
 from torchbook.profile import active_profile
 from torchbook.results import history_series, make_provenance, write_result
 
@@ -62,17 +63,26 @@ def run_language_model(out: Path, max_steps: int | None) -> Path:
     return path
 
 
+RUNS = ("lm", "lab")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=repository_root() / "assets" / "results",
                         help="folder for the JSON files (default: assets/results)")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="cap the language model's optimizer steps (for quick checks)")
+    parser.add_argument("--only", choices=RUNS, action="append",
+                        help="run only these (repeatable); default: every run")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     profile = active_profile()
     print(f"profile {profile.name}: device {profile.device}, torch {torch.__version__}", flush=True)
-    run_language_model(args.out, args.max_steps)
+    chosen = args.only or list(RUNS)
+    if "lm" in chosen:
+        run_language_model(args.out, args.max_steps)
+    if "lab" in chosen:
+        print(f"lab: -> {write_lab_results(profile, args.out)}", flush=True)
     print(f"gpu-results: done in {time.perf_counter() - started:.0f} s", flush=True)
     return 0
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from torchbook import lab
+from torchbook.results import read_result
 from torchbook.profile import make_profile
 
 
@@ -86,19 +87,31 @@ def test_safetensors_header_read_by_hand_matches_the_library(tmp_path):
     assert header["a"]["dtype"] == "F32" and header["b"]["dtype"] == "I64"
 
 
-def test_provenance_names_device_torch_date_and_commit():
-    record = lab.provenance(make_profile("cpu"))
-    assert record["torch"] == torch.__version__ and record["device"] == "cpu"
-    assert {"device_name", "date", "git_commit"} <= record.keys()
+def test_results_metrics_flattens_every_number_and_drops_the_rest():
+    drills = {"1": {"accuracy": 0.98, "epochs": 3}, "6": {"bit_identical": True, "path": "mlp.pt"},
+              "7": {"header": {"a": {}}, "tensors_equal": False}}
+    assert lab.results_metrics(drills) == {"drill1.accuracy": 0.98, "drill1.epochs": 3.0,
+                                           "drill6.bit_identical": 1.0, "drill7.tensors_equal": 0.0}
 
 
-def test_script_writes_one_json_named_after_the_profile(tmp_path, monkeypatch):
+def test_results_series_splits_a_history_into_steps_and_epochs():
+    history = {"step_loss": [2.0, 1.0, 0.5], "epoch_accuracy": [0.9], "epoch_test_loss": [0.3],
+               "epoch_seconds": [1.5]}
+    series = lab.results_series({"adamw": history})
+    assert series["adamw.steps"] == {"step": [1.0, 2.0, 3.0], "loss": [2.0, 1.0, 0.5]}
+    assert series["adamw.epochs"] == {"epoch": [1.0], "accuracy": [0.9], "test_loss": [0.3], "seconds": [1.5]}
+
+
+def test_script_writes_one_results_file_named_after_the_profile(tmp_path, monkeypatch):
     def small_lab(profile, folder=None):
-        return {"run": "lab", "profile": profile.name, "provenance": lab.provenance(profile),
-                "drills": {"1": {"accuracy": 0.98}}, "histories": {"adamw": {"step_loss": [1.0]}}}
+        history = {"step_loss": [1.0, 0.5], "epoch_accuracy": [0.98], "epoch_test_loss": [0.1],
+                   "epoch_seconds": [2.0]}
+        return {"drills": {"1": {"accuracy": 0.98}}, "histories": {"adamw": history}}
 
     monkeypatch.setattr(lab, "run_lab", small_lab)
     assert lab.main(["--profile", "cpu", "--out", str(tmp_path)]) == 0
-    written = json.loads((tmp_path / "lab-cpu.json").read_text())
-    assert written["run"] == "lab" and written["profile"] == "cpu" and written["drills"]["1"]["accuracy"] == 0.98
+    written = read_result(tmp_path / "lab-cpu.json")  # the format torchbook.results validates
+    assert written.run == "lab" and written.profile == "cpu" and written.metrics == {"drill1.accuracy": 0.98}
+    assert written.history["adamw.epochs"]["accuracy"] == [0.98]
+    assert set(written.provenance["sources"]) == set(lab.LAB_SOURCES)
     assert [path.name for path in tmp_path.iterdir()] == ["lab-cpu.json"]

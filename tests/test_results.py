@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchbook.plotting import plot_history
 from torchbook.results import (
     ResultsError,
     find_results,
     history_rows,
     history_series,
     make_provenance,
+    plot_label,
     read_result,
     stale_sources,
     staleness_note,
@@ -81,6 +83,7 @@ def test_a_result_is_fresh_until_a_source_it_depends_on_changes(tmp_path, source
     assert stale_sources(result, sources) == ["code/train.py"]
     note = staleness_note(result, sources)
     assert note is not None and "code/train.py" in note and "code/model.py" not in note
+    assert plot_label(result, sources).endswith("(code changed since)")
 
 
 def test_a_deleted_source_makes_the_result_stale(tmp_path, sources):
@@ -149,7 +152,8 @@ def test_provenance_refuses_a_source_that_does_not_exist(sources):
 def test_the_cpu_profile_run_of_the_command_writes_a_results_file_the_book_reads(tmp_path):
     environment = {**os.environ, "QUARTO_PROFILE": "cpu"}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "gpu_results.py"), "--out", str(tmp_path), "--max-steps", "4"],
+        [sys.executable, str(ROOT / "examples" / "gpu_results.py"), "--out", str(tmp_path), "--max-steps", "4",
+         "--only", "lm"],
         cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -158,3 +162,8 @@ def test_the_cpu_profile_run_of_the_command_writes_a_results_file_the_book_reads
     assert result.history["val"]["step"] == [4.0]
     assert stale_sources(result, ROOT) == []  # made from the code as it is now
     assert result.provenance["git_commit"] != ""
+    # Plotted as chapter 3 plots it: the legend names the stored run's device and date, unmarked while fresh.
+    figure = plot_history({"live": [{"step": 4, "val_loss": 3.0}],
+                           plot_label(result, ROOT): history_rows(result)}, keys=("val_loss",))
+    legend = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+    assert any(result.label in entry and "changed" not in entry for entry in legend), legend

@@ -2,9 +2,10 @@
 
 Chapter 7 calls these functions one drill at a time; ``python -m torchbook.lab
 --profile cpu --out DIR`` (or ``--profile gpu``) runs all seven and writes
-``DIR/lab-<profile>.json``: every drill's numbers, the training histories and
-the provenance (device, torch version, date, git commit), so a GPU machine
-without Quarto can produce the results the book plots.
+``DIR/lab-<profile>.json`` in the format of ``torchbook.results``: every
+drill's numbers, the training histories and the provenance (device, versions,
+date, git commit, hashes of the sources), so a GPU machine without Quarto can
+produce the results the book plots.
 
 Every run starts from ``torch.manual_seed(seed)`` for the weights and its own
 ``torch.Generator`` for the data order, so two runs that should see the same
@@ -14,11 +15,8 @@ batches in the same order do.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,10 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torchbook.cache import mnist_root
-from torchbook.files import atomic_write, atomic_write_text
+from torchbook.cache import mnist_root, repository_root
+from torchbook.files import atomic_write
 from torchbook.mnist import resident_batches, resident_mnist
 from torchbook.profile import LabSizes, Profile, make_profile
+from torchbook.results import make_provenance, write_result
 from torchbook.train import TrainConfig, build_optimizer, build_schedule
 
 SAFETENSORS_HEADER_LENGTH_BYTES = 8  # a little-endian uint64 before the JSON header
@@ -337,24 +336,39 @@ def drill_7(model: nn.Module, folder: Path) -> tuple[dict[str, Tensor], dict]:
 # ----- the script -----
 
 
-def provenance(profile: Profile) -> dict:
-    """Where and when the results were produced."""
-    if profile.device.type == "cuda":
-        device_name = torch.cuda.get_device_name(profile.device)
-    else:
-        device_name = f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        commit = None
-    return {"device": str(profile.device), "device_name": device_name, "torch": torch.__version__,
-            "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "git_commit": commit}
+# What the lab's numbers depend on: a change to any of these makes a stored result stale.
+LAB_SOURCES = ("code/torchbook/lab.py", "code/torchbook/mnist.py", "code/torchbook/train.py",
+               "code/torchbook/profile.py")
+
+
+def results_metrics(drills: dict[str, dict]) -> dict[str, float]:
+    """Every number of every drill, flattened for a results file: ``{"drill1.accuracy": 0.981, ...}``.
+
+    Booleans become 1.0 or 0.0; strings and the safetensors header are left out
+    (the chapter shows them live).
+    """
+    metrics = {}
+    for number, result in drills.items():
+        for key, value in result.items():
+            if isinstance(value, (bool, int, float)):
+                metrics[f"drill{number}.{key}"] = float(value)
+    return metrics
+
+
+def results_series(histories: dict[str, dict]) -> dict[str, dict[str, list[float]]]:
+    """Each run's history as two series of a results file: ``<run>.steps`` and ``<run>.epochs``."""
+    series = {}
+    for name, history in histories.items():
+        series[f"{name}.steps"] = {"step": [float(i + 1) for i in range(len(history["step_loss"]))],
+                                   "loss": history["step_loss"]}
+        series[f"{name}.epochs"] = {"epoch": [float(i + 1) for i in range(len(history["epoch_accuracy"]))],
+                                    "accuracy": history["epoch_accuracy"], "test_loss": history["epoch_test_loss"],
+                                    "seconds": history["epoch_seconds"]}
+    return series
 
 
 def run_lab(profile: Profile, folder: Path | None = None) -> dict:
-    """All seven drills in order; returns the results document that ``main`` writes.
+    """All seven drills in order; returns ``{"drills": ..., "histories": ...}``, what ``main`` writes.
 
     Drills 6 and 7 write the weights into ``folder``, or into a temporary
     folder deleted afterwards when it is None; the document names the files only.
@@ -375,9 +389,19 @@ def run_lab(profile: Profile, folder: Path | None = None) -> dict:
     for result in (sixth, seventh):
         result["path"] = Path(result["path"]).name
     drills.update({"3": third, "4": fourth, "5": fifth, "6": sixth, "7": seventh})
-    return {"run": "lab", "profile": profile.name, "provenance": provenance(profile),
-            "sizes": {name: getattr(profile.lab, name) for name in profile.lab.__dataclass_fields__},
-            "drills": drills, "histories": histories}
+    return {"drills": drills, "histories": histories}
+
+
+def write_lab_results(profile: Profile, out: Path) -> Path:
+    """Run all seven drills and write ``out/lab-<profile>.json``; returns its path."""
+    started = time.perf_counter()
+    results = run_lab(profile)
+    provenance = make_provenance(profile.device, repository_root(), LAB_SOURCES, time.perf_counter() - started)
+    for number, result in results["drills"].items():
+        summary = {key: value for key, value in result.items() if isinstance(value, (int, float, bool))}
+        print(f"drill {number}: {summary}", flush=True)
+    return write_result(Path(out) / f"lab-{profile.name}.json", "lab", profile.name,
+                        results_metrics(results["drills"]), results_series(results["histories"]), provenance)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,13 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--out", type=Path, required=True, help="folder for lab-<profile>.json")
     args = parser.parse_args(argv)
-    profile = make_profile(args.profile)
-    results = run_lab(profile)
-    target = atomic_write_text(args.out / f"lab-{profile.name}.json", json.dumps(results, indent=1) + "\n")
-    for number, result in results["drills"].items():
-        summary = {key: value for key, value in result.items() if isinstance(value, (int, float, bool))}
-        print(f"drill {number}: {summary}")
-    print(f"results: {target}")
+    print(f"results: {write_lab_results(make_profile(args.profile), args.out)}")
     return 0
 
 
