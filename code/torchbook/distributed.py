@@ -55,8 +55,8 @@ def init_distributed(device_type: str) -> DistributedContext:
     """Join the process group ``torchrun`` set up, on ``device_type`` (``"cpu"`` or ``"cuda"``).
 
     On CUDA each process takes the GPU numbered by its rank modulo the local
-    GPU count (one process per GPU), and sets it as the current device before
-    NCCL starts, so that NCCL does not put every rank on GPU 0.
+    GPU count (one process per GPU) and makes it the current device before any
+    collective runs, so that NCCL does not put every rank on GPU 0.
     """
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"init_distributed: device_type must be 'cpu' or 'cuda', got {device_type!r}")
@@ -64,12 +64,11 @@ def init_distributed(device_type: str) -> DistributedContext:
         raise RuntimeError("init_distributed: this PyTorch build has no torch.distributed")
     device = torch.device(device_type)
     backend = backend_for(device)
+    dist.init_process_group(backend)  # env://: the rank, world size and address torchrun set
     if device_type == "cuda":
-        dist.init_process_group(backend)  # env:// (torchrun's variables)
+        # NCCL creates its communicators at the first collective, on the current device.
         device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    else:
-        dist.init_process_group(backend)
     return DistributedContext(dist.get_rank(), dist.get_world_size(), device, backend)
 
 
