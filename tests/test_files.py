@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -59,3 +60,32 @@ def test_an_interrupt_inside_the_writer_also_removes_the_temporary(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         atomic_write(tmp_path / "out.bin", interrupted)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_names_the_file_keeps_the_errno_and_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "shard.bin"
+    path.write_bytes(b"old and whole")
+
+    def no_space(descriptor: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(OSError) as raised:
+        atomic_write_text(path, "new")
+    # every writer (shards, results, tokenizers, safetensors indexes) gets the name from here
+    assert str(path) in str(raised.value) and raised.value.errno == errno.ENOSPC
+    assert path.read_bytes() == b"old and whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.bin"]
+
+
+def test_a_read_only_folder_is_a_permission_error_naming_the_file(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("running as a user who may write anywhere (root)")
+        with pytest.raises(PermissionError, match="ro/out.txt"):
+            atomic_write_text(folder / "out.txt", "x")
+    finally:
+        folder.chmod(0o755)

@@ -46,21 +46,29 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(temporary)`` to fill a temporary file, then move it to ``path`` atomically.
 
     Returns ``path``. On any error the temporary is removed and ``path`` is
-    left as it was; the error propagates unchanged, so the caller can add the
-    file's name to it.
+    left as it was. An ``OSError`` (a full disk, a read-only folder) is raised
+    again as an ``OSError`` of the same errno whose message names ``path``
+    (the hidden temporary's name would tell a reader nothing); any other error
+    propagates unchanged, for the caller to name the file.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{TEMPORARY_MARKER}")
-    os.close(handle)
-    temporary = Path(name)
+    temporary = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{TEMPORARY_MARKER}")
+        os.close(handle)
+        temporary = Path(name)
         write(temporary)
         fsync_path(temporary)
         os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    except BaseException as error:
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
+        if not isinstance(error, OSError):
+            raise
+        detail = f"{path}: could not be written ({error.strerror or error}); it is unchanged"
+        # OSError(errno, text) gives the subclass of that errno: PermissionError, ...
+        raise (OSError(error.errno, detail) if error.errno else OSError(detail)) from error
     fsync_path(path.parent)
     return path
 
