@@ -147,3 +147,8 @@ def test_missing_data_dir_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.DATA_VARIABLE, str(tmp_path / "nowhere"))
     with pytest.raises(cache.DataError, match=r"BOOK_DATA_DIR=.*nowhere: no such folder"):
         cache.data_dir()
+
+
+def test_verifying_a_missing_file_names_it(tmp_path):
+    with pytest.raises(cache.DataError, match=r"nothing\.gz: missing"):
+        cache.verify(tmp_path / "nothing.gz", "0" * 64)

@@ -167,3 +167,16 @@ def test_the_cpu_profile_run_of_the_command_writes_a_results_file_the_book_reads
                            plot_label(result, ROOT): history_rows(result)}, keys=("val_loss",))
     legend = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
     assert any(result.label in entry and "changed" not in entry for entry in legend), legend
+
+
+def test_reading_a_folder_names_it(tmp_path):
+    with pytest.raises(ResultsError, match=rf"{tmp_path}: cannot be read as a results file"):
+        read_result(tmp_path)
+
+
+@pytest.mark.parametrize("metric", ["2.7", None, [2.7]])
+def test_writing_a_metric_that_is_not_a_number_names_the_file(tmp_path, sources, metric):
+    provenance = make_provenance(torch.device("cpu"), sources, ["code/model.py"], wall_seconds=1.0)
+    with pytest.raises(ResultsError, match=r"lm-cpu\.json: metrics\['loss'\] must be a finite number"):
+        write_result(tmp_path / "out" / "lm-cpu.json", "lm", "cpu", {"loss": metric}, {}, provenance)
+    assert not (tmp_path / "out").exists()

@@ -89,3 +89,16 @@ def test_cached_tokenizer_is_rebuilt_when_damaged_or_foreign(text_file, tmp_path
     tokenizer = cached_tokenizer(path, [text_file], vocab_size=300)
     assert tokenizer.get_vocab_size() == 300
     assert load_tokenizer(path).encode(TEXT).ids == tokenizer.encode(TEXT).ids
+
+
+def test_training_on_bytes_that_are_not_utf8_names_the_file(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("café crème, déjà vu\n".encode("latin-1") * 20)
+    with pytest.raises(TokenizerError, match=r"latin1\.txt: training failed .*expected UTF-8 text"):
+        train_bpe([path], vocab_size=300)
+
+
+@pytest.mark.parametrize("vocab_size", ["300", 300.0, 10])
+def test_vocab_size_must_be_an_int_of_at_least_the_byte_alphabet(text_file, vocab_size):
+    with pytest.raises(TokenizerError, match=rf"vocab_size={vocab_size!r}: a byte-level BPE needs an int"):
+        train_bpe([text_file], vocab_size=vocab_size)

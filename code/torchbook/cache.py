@@ -130,6 +130,8 @@ def sha256_of(path: Path) -> str:
 
 def verify(path: Path, expected_sha256: str) -> None:
     """Raise DataError naming the file and both hashes unless its SHA-256 is the expected one."""
+    if not Path(path).is_file():
+        raise DataError(f"{path}: missing (or not a file); expected the file whose SHA-256 is {expected_sha256}")
     actual = sha256_of(path)
     if actual != expected_sha256:
         raise DataError(

@@ -138,13 +138,24 @@ def write_result(path: str | Path, run: str, profile: str, metrics: Mapping[str,
         "version": RESULTS_VERSION,
         "run": run,
         "profile": profile,
-        "metrics": {key: float(value) for key, value in metrics.items()},
-        "history": {series: {key: [float(value) for value in values] for key, values in columns.items()}
-                    for series, columns in history.items()},
+        "metrics": {key: _as_float(value) for key, value in metrics.items()},
+        "history": {series: {key: [_as_float(value) for value in values]
+                             if isinstance(values, Iterable) and not isinstance(values, (str, bytes, Mapping)) else values for key, values in columns.items()} if isinstance(columns, Mapping)
+                    else columns for series, columns in history.items()},
         "provenance": dict(provenance),
     }
     _validate(document, path)  # refuse to write what read_result would refuse
     return atomic_write_text(path, json.dumps(document, indent=1, allow_nan=False) + "\n")
+
+
+def _as_float(value: Any) -> Any:
+    """A number (a NumPy or torch scalar too) as a float; anything else unchanged, for ``_validate`` to name."""
+    if isinstance(value, (str, bool)) or value is None:
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
 
 
 def _numbers(value: Any, where: str, path: Path) -> None:
@@ -208,6 +219,8 @@ def read_result(path: str | Path) -> RunResult:
         raise ResultsError(f"{path}: no such results file") from None
     except UnicodeDecodeError as error:
         raise ResultsError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except OSError as error:  # a folder, no permission
+        raise ResultsError(f"{path}: cannot be read as a results file ({error.strerror or error})") from None
     try:
         document = json.loads(text)
     except json.JSONDecodeError as error:

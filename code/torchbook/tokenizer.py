@@ -32,15 +32,15 @@ class TokenizerError(ValueError):
 def train_bpe(text_files: Sequence[Path | str], vocab_size: int, special_tokens: Sequence[str] = SPECIAL_TOKENS) -> Tokenizer:
     """Train a byte-level BPE tokenizer of ``vocab_size`` ids on ``text_files``."""
     minimum = 256 + len(special_tokens)  # every byte plus the special tokens
-    if vocab_size < minimum:
-        raise TokenizerError(f"vocab_size={vocab_size}: a byte-level BPE needs at least {minimum} ids")
+    if type(vocab_size) is not int or vocab_size < minimum:
+        raise TokenizerError(f"vocab_size={vocab_size!r}: a byte-level BPE needs an int of at least {minimum} ids")
     if not text_files:
         raise TokenizerError("train_bpe: no training text files given")
     for path in text_files:
         if not Path(path).is_file():
             raise TokenizerError(f"{path}: training text is missing")
+    names = ", ".join(str(p) for p in text_files)
     if all(Path(path).stat().st_size == 0 for path in text_files):
-        names = ", ".join(str(p) for p in text_files)
         raise TokenizerError(f"{names}: the training text is empty; BPE would learn no merges from it")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -51,7 +51,10 @@ def train_bpe(text_files: Sequence[Path | str], vocab_size: int, special_tokens:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train([str(p) for p in text_files], trainer)
+    try:
+        tokenizer.train([str(p) for p in text_files], trainer)
+    except Exception as error:  # tokenizers raises a bare Exception, e.g. for bytes that are not UTF-8
+        raise TokenizerError(f"{names}: training failed ({error}); expected UTF-8 text files") from error
     return tokenizer
 
 
