@@ -432,3 +432,52 @@ def test_stream_pickles_paths_not_mapped_data(tmp_path):
     # 50,000 uint16 ids would be 100,000 bytes; the block table alone is about 3,100 x 12 bytes
     assert len(pickle.dumps(stream)) < 100_000
     assert torch.equal(next(iter(clone))[0], next(iter(stream))[0])
+
+
+# ----------------------------------------------------------------- arguments and indexes of the wrong type
+
+
+@pytest.mark.parametrize("vocab_size, tokenizer, message", [
+    ("100", "t", r"vocab_size='100': expected an int"),
+    (0, "t", r"vocab_size=0: expected an int"),
+    (100, 5, r"tokenizer=5: expected a string"),
+])
+def test_write_shard_refuses_arguments_of_the_wrong_type_naming_the_file(tmp_path, vocab_size, tokenizer, message):
+    # a non-string tokenizer used to be written, then refused by every reader of the sidecar
+    with pytest.raises(ShardError, match=rf"s\.bin: {message}"):
+        write_shard(tmp_path / "s.bin", [1, 2, 3], vocab_size=vocab_size, tokenizer=tokenizer)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("shards", [[1, 2], ["../../elsewhere.bin"], ["sub/shard_000.bin"], "shard_000.bin"])
+def test_an_index_listing_anything_but_file_names_in_its_folder_is_refused_naming_the_index(tmp_path, shards):
+    counting_shards(tmp_path)
+    index = index_path(tmp_path)
+    index.write_text(json.dumps({**json.loads(index.read_text()), "shards": shards}))
+    with pytest.raises(ShardError, match=r"shard_index\.json: field 'shards' is .*expected a non-empty list of \.bin"):
+        read_shards(tmp_path)
+
+
+def test_a_cache_cut_at_another_shard_size_is_rebuilt(tmp_path):
+    first = cached_shards(tmp_path, lambda: np.arange(2_000), vocab_size=2_000, tokenizer="c", tokens_per_shard=700)
+    again = cached_shards(tmp_path, lambda: np.arange(2_000), vocab_size=2_000, tokenizer="c", tokens_per_shard=1_000)
+    assert (len(first), len(again)) == (3, 2)
+    assert [read_header(path).num_tokens for path in again] == [1_000, 1_000]
+
+
+@pytest.mark.parametrize("damage", [lambda state: None, lambda state: {**state, "batches_consumed": "3"},
+                                    lambda state: {**state, "batches_consumed": True}])
+def test_a_stream_position_of_the_wrong_type_is_refused(tmp_path, damage):
+    stream = TokenStream(counting_shards(tmp_path), StreamConfig(block_size=16, batch_size=4))
+    with pytest.raises(ValueError, match="stream state lacks|batches_consumed="):
+        stream.load_state_dict(damage(stream.state_dict(batches_consumed=3)))
+    assert stream.start_batch == 0
+
+
+def test_a_rebuilt_cache_leaves_no_temporary_of_a_killed_write(tmp_path):
+    cached_shards(tmp_path, lambda: np.arange(2_000), vocab_size=2_000, tokenizer="c", tokens_per_shard=700)
+    (tmp_path / f".shard_001.bin{files.TEMPORARY_MARKER}abcd1234").write_bytes(b"half a shard")
+    sidecar_path(tmp_path / "shard_001.bin").unlink()  # the kill came before the sidecar
+    healed = cached_shards(tmp_path, lambda: np.arange(2_000), vocab_size=2_000, tokenizer="c", tokens_per_shard=700)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [p.name for p in healed] + [sidecar_path(p).name for p in healed] + ["shard_index.json"])

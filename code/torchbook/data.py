@@ -4,11 +4,9 @@
    the block starting at ``i * block_size`` of a Python list). Correct and
    slow: every token passes through the Python interpreter on every read.
 2. Shards: ``write_shard`` stores ids as a flat ``.bin`` (uint16 when the
-   vocabulary fits, else uint32) with a JSON sidecar (dtype, count,
-   vocabulary size, tokenizer); ``open_shard`` validates the pair and maps
-   the file with ``np.memmap``. ``write_shards`` writes an index last, and
-   ``cached_shards`` trusts a folder only when the index and every shard
-   validate; anything less is rebuilt.
+   vocabulary fits, else uint32) with a JSON sidecar; ``open_shard``
+   validates the pair and maps the file with ``np.memmap``. ``cached_shards``
+   trusts a folder only when its index and every shard validate.
 3. ``TokenStream``: an ``IterableDataset`` of whole batches. Each shard is
    viewed, without copying, as a table whose rows are its blocks, so a batch
    is one gather of rows per shard it touches. Use it with
@@ -41,7 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from torchbook.files import atomic_write, atomic_write_text
+from torchbook.files import TEMPORARY_MARKER, atomic_write, atomic_write_text
 
 SHARD_FORMAT = "torchbook-token-shard"
 SHARD_VERSION = 1
@@ -53,9 +51,7 @@ class ShardError(ValueError):
     """A shard or its sidecar is missing, inconsistent, or does not fit the request."""
 
 
-# ---------------------------------------------------------------------------
-# 1. The tutorial version
-# ---------------------------------------------------------------------------
+# ------------------------------------------------------------ 1. The tutorial version
 
 
 class TokenDataset(Dataset):
@@ -70,10 +66,8 @@ class TokenDataset(Dataset):
 
     def __init__(self, tokens: Sequence[int], block_size: int) -> None:
         if block_size <= 0 or len(tokens) < block_size + 1:
-            raise ShardError(
-                f"TokenDataset: block_size={block_size} needs at least {block_size + 1} tokens, "
-                f"but the data has {len(tokens)}"
-            )
+            raise ShardError(f"TokenDataset: block_size={block_size} needs at least {block_size + 1} tokens, "
+                             f"but the data has {len(tokens)}")
         self.tokens = tokens
         self.block_size = block_size
 
@@ -87,9 +81,7 @@ class TokenDataset(Dataset):
         return x, y
 
 
-# ---------------------------------------------------------------------------
-# 2. Shards on disk
-# ---------------------------------------------------------------------------
+# ------------------------------------------------------------ 2. Shards on disk
 
 
 @dataclass(frozen=True)
@@ -106,8 +98,8 @@ class ShardHeader:
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """The smallest unsigned dtype that holds every id of a vocabulary: uint16 up to 65,536 ids."""
-    if vocab_size <= 0:
-        raise ShardError(f"vocab_size={vocab_size}: expected a positive number of token ids")
+    if type(vocab_size) is not int or not 0 < vocab_size <= 1 << 32:
+        raise ShardError(f"vocab_size={vocab_size!r}: expected an int in 1..2**32, the number of token ids")
     return np.dtype(np.uint16 if vocab_size <= UINT16_VOCAB_LIMIT else np.uint32)
 
 
@@ -119,28 +111,29 @@ def sidecar_path(shard: Path | str) -> Path:
 def write_shard(path: Path | str, tokens: np.ndarray | Sequence[int], vocab_size: int, tokenizer: str) -> Path:
     """Write token ids to ``path`` (a ``.bin`` file) and its sidecar; return the path.
 
-    Every id is checked against ``vocab_size`` before anything is written. The
-    old sidecar is removed first, then the ``.bin`` and the new sidecar are
-    each written with ``atomic_write`` (unique temporary, fsync, rename), the
-    sidecar last: a crash at any moment leaves no sidecar or a sidecar that
-    describes the ``.bin`` beside it, never a stale one.
+    Every argument and id is checked before anything is written. The old
+    sidecar is removed first, then the ``.bin`` and the new sidecar are each
+    written with ``atomic_write``, the sidecar last: a crash at any moment
+    leaves no sidecar or one that describes the ``.bin`` beside it, never a stale one.
     """
-    path = Path(path)
-    if path.suffix != ".bin":
-        raise ShardError(f"{path}: a shard's file name must end in .bin")
-    ids = np.asarray(tokens)
-    if ids.ndim != 1 or ids.size == 0:
-        raise ShardError(f"{path}: expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise ShardError(f"{path}: token ids must be integers, got dtype {ids.dtype}")
-    dtype = token_dtype(vocab_size)
+    path, ids = Path(path), np.asarray(tokens)
+    for wrong, message in (
+        (path.suffix != ".bin", "a shard's file name must end in .bin"),
+        (ids.ndim != 1 or ids.size == 0, f"expected a non-empty 1-D sequence of token ids, got shape {ids.shape}"),
+        (not np.issubdtype(ids.dtype, np.integer), f"token ids must be integers, got dtype {ids.dtype}"),
+        (not isinstance(tokenizer, str), f"tokenizer={tokenizer!r}: expected a string naming the tokenizer"),
+    ):
+        if wrong:
+            raise ShardError(f"{path}: {message}")
+    try:
+        dtype = token_dtype(vocab_size)
+    except ShardError as error:
+        raise ShardError(f"{path}: {error}; nothing was written") from None
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= vocab_size:
         bad = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
-        raise ShardError(
-            f"{path}: token id {int(ids[bad])} at position {bad:,} is outside the vocabulary "
-            f"[0, {vocab_size}); nothing was written"
-        )
+        raise ShardError(f"{path}: token id {int(ids[bad])} at position {bad:,} is outside the vocabulary "
+                         f"[0, {vocab_size}); nothing was written")
     header = ShardHeader(dtype=dtype.name, num_tokens=int(ids.size), vocab_size=vocab_size, tokenizer=tokenizer)
     sidecar_path(path).unlink(missing_ok=True)
     atomic_write(path, lambda temporary: ids.astype(dtype).tofile(temporary))
@@ -153,29 +146,21 @@ def index_path(folder: Path | str, prefix: str = "shard") -> Path:
     return Path(folder) / f"{prefix}_index.json"
 
 
-def write_shards(
-    tokens: np.ndarray | Sequence[int],
-    folder: Path | str,
-    vocab_size: int,
-    tokenizer: str,
-    tokens_per_shard: int,
-    prefix: str = "shard",
-) -> list[Path]:
+def write_shards(tokens: np.ndarray | Sequence[int], folder: Path | str, vocab_size: int, tokenizer: str,
+                 tokens_per_shard: int, prefix: str = "shard") -> list[Path]:
     """Split ``tokens`` into shards of ``tokens_per_shard`` ids named ``<prefix>_000.bin``, ...; return their paths.
 
     The index ``<prefix>_index.json`` (shard names, total tokens, tokenizer) is
     removed first and written last, so it exists only when every shard does.
     """
-    if tokens_per_shard <= 0:
-        raise ShardError(f"tokens_per_shard={tokens_per_shard}: expected a positive count")
-    ids = np.asarray(tokens)
-    folder = Path(folder)
+    ids, folder = np.asarray(tokens), Path(folder)
+    if type(tokens_per_shard) is not int or tokens_per_shard <= 0 or ids.ndim != 1 or ids.size == 0:
+        raise ShardError(f"{folder}: tokens_per_shard={tokens_per_shard!r} for {ids.shape} ids; expected a "
+                         "positive int and a non-empty 1-D sequence of ids")
     index = index_path(folder, prefix)
     index.unlink(missing_ok=True)
-    paths = [
-        write_shard(folder / f"{prefix}_{number:03d}.bin", ids[start : start + tokens_per_shard], vocab_size, tokenizer)
-        for number, start in enumerate(range(0, len(ids), tokens_per_shard))
-    ]
+    paths = [write_shard(folder / f"{prefix}_{number:03d}.bin", ids[start : start + tokens_per_shard], vocab_size,
+                         tokenizer) for number, start in enumerate(range(0, len(ids), tokens_per_shard))]
     entry = {"shards": [p.name for p in paths], "num_tokens": int(ids.size), "vocab_size": vocab_size,
              "tokenizer": tokenizer}
     atomic_write_text(index, json.dumps(entry, indent=2) + "\n")
@@ -186,12 +171,17 @@ def read_shards(folder: Path | str, prefix: str = "shard") -> list[Path]:
     """The shards listed by ``folder``'s index, after validating the index and every shard against it."""
     index = index_path(folder, prefix)
     entry = _read_json(index, "a shard index written by write_shards")
-    if not isinstance(entry, dict) or not isinstance(entry.get("shards"), list) or not entry["shards"]:
-        raise ShardError(f"{index}: field 'shards' must be a non-empty list of shard file names")
-    for name in ("shards", "num_tokens", "vocab_size", "tokenizer"):
-        if name not in entry:
-            raise ShardError(f"{index}: field {name!r} is missing")
-    paths = [Path(folder) / str(name) for name in entry["shards"]]
+    if not isinstance(entry, dict):
+        raise ShardError(f"{index}: holds a JSON {type(entry).__name__}; expected an object")
+    names = entry.get("shards")
+    if not isinstance(names, list) or not names or not all(
+            isinstance(name, str) and Path(name).name == name and name.endswith(".bin") for name in names):
+        raise ShardError(f"{index}: field 'shards' is {names!r:.80}; expected a non-empty list of .bin file "
+                         "names in the index's folder")
+    for name, kind in (("num_tokens", int), ("vocab_size", int), ("tokenizer", str)):
+        if not isinstance(entry.get(name), kind) or isinstance(entry.get(name), bool):
+            raise ShardError(f"{index}: field {name!r} is {entry.get(name)!r}; expected {kind.__name__}")
+    paths = [Path(folder) / name for name in names]
     headers = [read_header(p) for p in paths]
     total = sum(h.num_tokens for h in headers)
     if total != entry["num_tokens"]:
@@ -202,30 +192,27 @@ def read_shards(folder: Path | str, prefix: str = "shard") -> list[Path]:
     return paths
 
 
-def cached_shards(
-    folder: Path | str,
-    make_tokens: Callable[[], np.ndarray],
-    vocab_size: int,
-    tokenizer: str,
-    tokens_per_shard: int,
-    prefix: str = "shard",
-) -> list[Path]:
+def cached_shards(folder: Path | str, make_tokens: Callable[[], np.ndarray], vocab_size: int, tokenizer: str,
+                  tokens_per_shard: int, prefix: str = "shard") -> list[Path]:
     """The shards in ``folder`` if they are complete and made by this tokenizer; otherwise rebuild them.
 
     A derived cache is trusted only after ``read_shards`` has validated the
     index and every shard, never because one file exists: a run killed
-    mid-write leaves a folder this rebuilds instead of failing on forever.
-    ``make_tokens()`` is called only to rebuild, after every ``<prefix>_*``
-    file in ``folder`` is deleted.
+    mid-write leaves a folder this rebuilds instead of failing on forever. A
+    cache cut at another ``tokens_per_shard`` is rebuilt too (the cut decides
+    which blocks exist). ``make_tokens()`` is called only to rebuild, after
+    every ``<prefix>_*`` file in ``folder`` is deleted.
     """
     try:
         paths = read_shards(folder, prefix)
-        header = read_header(paths[0])
-        if (header.vocab_size, header.tokenizer) == (vocab_size, tokenizer):
+        headers = [read_header(path) for path in paths]
+        counts = [header.num_tokens for header in headers]
+        if all((h.vocab_size, h.tokenizer) == (vocab_size, tokenizer) for h in headers) \
+                and set(counts[:-1]) <= {tokens_per_shard} and counts[-1] <= tokens_per_shard:
             return paths
     except ShardError:
         pass
-    for stale in Path(folder).glob(f"{prefix}_*"):
+    for stale in [*Path(folder).glob(f"{prefix}_*"), *Path(folder).glob(f".{prefix}_*{TEMPORARY_MARKER}*")]:
         stale.unlink()
     return write_shards(make_tokens(), folder, vocab_size, tokenizer, tokens_per_shard, prefix)
 
@@ -261,42 +248,30 @@ def read_header(path: Path | str) -> ShardHeader:
     if unknown:
         raise ShardError(f"{meta}: unknown field(s) {unknown}; expected only {sorted(_HEADER_TYPES)}")
     for name, kind in _HEADER_TYPES.items():
-        if name not in entry:
-            raise ShardError(f"{meta}: field {name!r} is missing")
-        value = entry[name]
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise ShardError(f"{meta}: field {name!r} is {value!r} ({type(value).__name__}); expected {kind.__name__}")
+        value = entry.get(name)
+        if name not in entry or not isinstance(value, kind) or isinstance(value, bool):
+            found = "missing" if name not in entry else f"{value!r} ({type(value).__name__})"
+            raise ShardError(f"{meta}: field {name!r} is {found}; expected {kind.__name__}")
     header = ShardHeader(**entry)
-    if header.format != SHARD_FORMAT or header.version != SHARD_VERSION:
-        raise ShardError(
-            f"{meta}: format {header.format!r} version {header.version}, "
-            f"expected {SHARD_FORMAT!r} version {SHARD_VERSION}"
-        )
-    if header.num_tokens <= 0:
-        raise ShardError(f"{meta}: field 'num_tokens' is {header.num_tokens}; a shard holds at least one token")
-    if header.vocab_size <= 0:
-        raise ShardError(f"{meta}: field 'vocab_size' is {header.vocab_size}; expected a positive number of ids")
-    if header.dtype not in TOKEN_DTYPES:
-        raise ShardError(f"{meta}: dtype {header.dtype!r}, expected one of {TOKEN_DTYPES}")
+    for wrong, message in (
+        ((header.format, header.version) != (SHARD_FORMAT, SHARD_VERSION),
+         f"format {header.format!r} version {header.version}, expected {SHARD_FORMAT!r} version {SHARD_VERSION}"),
+        (header.num_tokens <= 0, f"field 'num_tokens' is {header.num_tokens}; a shard holds at least one token"),
+        (header.vocab_size <= 0, f"field 'vocab_size' is {header.vocab_size}; expected a positive number of ids"),
+        (header.dtype not in TOKEN_DTYPES, f"dtype {header.dtype!r}, expected one of {TOKEN_DTYPES}"),
+    ):
+        if wrong:
+            raise ShardError(f"{meta}: {message}")
     if header.dtype != token_dtype(header.vocab_size).name:
-        raise ShardError(
-            f"{meta}: dtype {header.dtype} disagrees with vocab_size {header.vocab_size:,}, "
-            f"which write_shard stores as {token_dtype(header.vocab_size).name}"
-        )
-    itemsize = np.dtype(header.dtype).itemsize
-    expected_bytes = header.num_tokens * itemsize
-    actual_bytes = path.stat().st_size
+        raise ShardError(f"{meta}: dtype {header.dtype} disagrees with vocab_size {header.vocab_size:,}, "
+                         f"which write_shard stores as {token_dtype(header.vocab_size).name}")
+    expected_bytes, actual_bytes = header.num_tokens * np.dtype(header.dtype).itemsize, path.stat().st_size
     if actual_bytes != expected_bytes:
         other = "uint32" if header.dtype == "uint16" else "uint16"
-        hint = (
-            f"; that is exactly {header.num_tokens:,} {other} tokens, was it written with another dtype?"
-            if actual_bytes == header.num_tokens * np.dtype(other).itemsize
-            else "; was the write interrupted?"
-        )
-        raise ShardError(
-            f"{path}: header says {header.num_tokens:,} {header.dtype} tokens ({expected_bytes:,} bytes) "
-            f"but the file has {actual_bytes:,} bytes{hint}"
-        )
+        hint = (f"; that is exactly {header.num_tokens:,} {other} tokens, was it written with another dtype?"
+                if actual_bytes == header.num_tokens * np.dtype(other).itemsize else "; was the write interrupted?")
+        raise ShardError(f"{path}: header says {header.num_tokens:,} {header.dtype} tokens ({expected_bytes:,} bytes) "
+                         f"but the file has {actual_bytes:,} bytes{hint}")
     return header
 
 
@@ -312,16 +287,12 @@ def open_shard(path: Path | str, check_ids: bool = False) -> np.memmap:
         high = int(tokens.max())
         if high >= header.vocab_size:
             position = int(np.argmax(tokens >= header.vocab_size))
-            raise ShardError(
-                f"{path}: token id {high} (first bad one at position {position:,}) is outside "
-                f"the vocabulary [0, {header.vocab_size}) that its sidecar declares"
-            )
+            raise ShardError(f"{path}: token id {high} (first bad one at position {position:,}) is outside "
+                             f"the vocabulary [0, {header.vocab_size}) that its sidecar declares")
     return tokens
 
 
-# ---------------------------------------------------------------------------
-# 3. Streaming batches from shards
-# ---------------------------------------------------------------------------
+# ------------------------------------------------------------ 3. Streaming batches from shards
 
 
 @dataclass(frozen=True)
@@ -351,32 +322,27 @@ class TokenStream(IterableDataset):
     """
 
     def __init__(self, shards: Sequence[Path | str], config: StreamConfig) -> None:
-        if not shards:
-            raise ShardError("TokenStream: no shards given")
-        if config.block_size <= 0 or config.batch_size <= 0:
-            raise ShardError(f"{config}: block_size and batch_size must be positive")
-        if not 0 <= config.rank < config.world_size:
-            raise ShardError(f"{config}: expected 0 <= rank < world_size")
-        self.paths = [Path(p) for p in shards]
-        self.config = config
+        for wrong, message in ((not shards, "TokenStream: no shards given"),
+                               (config.block_size <= 0 or config.batch_size <= 0,
+                                f"{config}: block_size and batch_size must be positive"),
+                               (not 0 <= config.rank < config.world_size, f"{config}: expected 0 <= rank < world_size")):
+            if wrong:
+                raise ShardError(message)
+        self.paths, self.config = [Path(p) for p in shards], config
         headers = [read_header(p) for p in self.paths]
         for path, header in zip(self.paths[1:], headers[1:]):
             if (header.vocab_size, header.tokenizer) != (headers[0].vocab_size, headers[0].tokenizer):
-                raise ShardError(
-                    f"{path}: ids from tokenizer {header.tokenizer!r} with {header.vocab_size:,} ids, but "
-                    f"{self.paths[0].name} has {headers[0].tokenizer!r} with {headers[0].vocab_size:,}; "
-                    f"one stream must hold ids of one tokenizer"
-                )
+                raise ShardError(f"{path}: ids from tokenizer {header.tokenizer!r} with {header.vocab_size:,} ids, but "
+                                 f"{self.paths[0].name} has {headers[0].tokenizer!r} with {headers[0].vocab_size:,}; "
+                                 f"one stream must hold ids of one tokenizer")
         counts = np.array([h.num_tokens for h in headers], dtype=np.int64)
         block = config.block_size
         # A block needs block_size + 1 tokens; consecutive blocks share one token.
         blocks_per_shard = np.maximum((counts - 1) // block, 0)
         self.num_blocks = int(blocks_per_shard.sum())
         if self.num_blocks == 0:
-            raise ShardError(
-                f"{', '.join(map(str, self.paths))}: block_size={block} needs at least {block + 1} tokens "
-                f"in one shard, but the longest has {int(counts.max()):,}"
-            )
+            raise ShardError(f"{', '.join(map(str, self.paths))}: block_size={block} needs at least {block + 1} tokens "
+                             f"in one shard, but the longest has {int(counts.max()):,}")
         self.blocks_per_shard = blocks_per_shard
         self.block_shard = np.repeat(np.arange(len(self.paths), dtype=np.int32), blocks_per_shard)
         self.block_start = np.concatenate([np.arange(n, dtype=np.int64) * block for n in blocks_per_shard])
@@ -386,22 +352,19 @@ class TokenStream(IterableDataset):
         per_step = config.world_size * config.batch_size
         self.batches_per_epoch = self.num_blocks // per_step  # on each rank
         if self.batches_per_epoch == 0:
-            raise ShardError(
-                f"{', '.join(map(str, self.paths))}: {self.num_blocks:,} blocks of {block} tokens are fewer than "
-                f"one step of {config.world_size} rank(s) x {config.batch_size} blocks"
-            )
+            raise ShardError(f"{', '.join(map(str, self.paths))}: {self.num_blocks:,} blocks of {block} tokens are fewer than "
+                             f"one step of {config.world_size} rank(s) x {config.batch_size} blocks")
         self.dropped_blocks_per_epoch = self.num_blocks - self.batches_per_epoch * per_step
         self.start_batch = 0  # position to resume from, in batches this rank has consumed
         self._blocks: list[np.ndarray] | None = None  # each shard viewed as blocks, made lazily once per process
 
-    # -- positions ----------------------------------------------------------
-
+    # -- positions
     def state_dict(self, batches_consumed: int) -> dict:
         """The position after the training loop has consumed ``batches_consumed`` batches in total.
 
-        Count from the very start of training (not from the last resume); the
-        configuration is saved too, so a stream that would order batches
-        differently refuses the position instead of silently skipping data.
+        Count from the very start of training (not from the last resume). The
+        configuration is saved too: a stream that would order batches
+        differently refuses the position instead of skipping data.
         """
         if batches_consumed < 0:
             raise ValueError(f"batches_consumed={batches_consumed}: expected a count >= 0")
@@ -411,24 +374,21 @@ class TokenStream(IterableDataset):
 
     def load_state_dict(self, state: dict) -> None:
         """Start the next iteration at the batch after the ``batches_consumed`` saved in ``state``."""
-        expected = {key: getattr(self.config, key) for key in _POSITION_KEYS}
-        expected["num_blocks"] = self.num_blocks
-        missing = sorted(set(expected) - set(state)) + ([] if "batches_consumed" in state else ["batches_consumed"])
+        expected = {key: getattr(self.config, key) for key in _POSITION_KEYS} | {"num_blocks": self.num_blocks}
+        missing = sorted({*expected, "batches_consumed"} - set(state)) if isinstance(state, dict) else ["everything"]
         if missing:
             raise ValueError(f"stream state lacks {missing}; expected a dict from TokenStream.state_dict")
         differs = {key: (state[key], value) for key, value in expected.items() if state[key] != value}
         if differs:
             detail = ", ".join(f"{key} saved {saved!r} but this stream has {now!r}" for key, (saved, now) in differs.items())
             raise ValueError(f"cannot resume this stream: {detail}")
-        position = int(state["batches_consumed"])
-        total = self._total_batches()
-        if position < 0 or (total is not None and position > total):
-            raise ValueError(f"batches_consumed={position}: expected 0..{total} for this stream")
+        position, total = state["batches_consumed"], self._total_batches()
+        if type(position) is not int or position < 0 or (total is not None and position > total):
+            raise ValueError(f"batches_consumed={position!r}: expected an int in 0..{total} for this stream")
         self.start_batch = position
 
     def _total_batches(self) -> int | None:
-        epochs = self.config.epochs
-        return None if epochs is None else epochs * self.batches_per_epoch
+        return None if self.config.epochs is None else self.config.epochs * self.batches_per_epoch
 
     def __len__(self) -> int:
         """Batches one iteration yields on this rank, from the current start position."""
@@ -437,8 +397,7 @@ class TokenStream(IterableDataset):
             raise TypeError("TokenStream with epochs=None repeats forever and has no length")
         return total - self.start_batch
 
-    # -- order --------------------------------------------------------------
-
+    # -- order
     def epoch_order(self, epoch: int) -> np.ndarray:
         """All block ids of ``epoch`` in the order they are read (before dealing to ranks).
 
@@ -458,13 +417,10 @@ class TokenStream(IterableDataset):
         # does not change the batch's gradient, and each shard's blocks become one contiguous slice.
         return np.sort(global_batches[cfg.rank :: cfg.world_size], axis=1)
 
-    # -- reading ------------------------------------------------------------
-
+    # -- reading
     def __getstate__(self) -> dict:
         # Pickled into DataLoader workers (spawn on macOS/Windows): send paths, never the mapped data.
-        state = self.__dict__.copy()
-        state["_blocks"] = None
-        return state
+        return {**self.__dict__, "_blocks": None}
 
     def _block_views(self) -> list[np.ndarray]:
         """Each shard's memmap viewed, read-only, as a table whose row ``i`` is the block starting at ``i * block_size``.
@@ -477,10 +433,9 @@ class TokenStream(IterableDataset):
         views = []
         for path, rows in zip(self.paths, self.blocks_per_shard):
             tokens = open_shard(path)
-            step = tokens.itemsize
-            views.append(np.lib.stride_tricks.as_strided(
-                tokens, shape=(int(rows), block + 1), strides=(block * step, step), subok=False, writeable=False
-            ))
+            views.append(np.lib.stride_tricks.as_strided(tokens, shape=(int(rows), block + 1), subok=False,
+                                                         strides=(block * tokens.itemsize, tokens.itemsize),
+                                                         writeable=False))
         return views
 
     def _gather(self, block_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
