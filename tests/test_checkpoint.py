@@ -350,6 +350,20 @@ DAMAGES = {
     "numpy-rng-short": (lambda s: s["rng"]["numpy"].update(keys=torch.zeros(5, dtype=torch.int64)),
                         r"rng\['numpy'\]: cannot be restored"),
     "rng-missing-mps": (lambda s: s["rng"].pop("torch_mps"), r"rng: expected a dict with"),
+    # Accepted by a private random.Random / RandomState, so only a check of the type finds them.
+    "python-gauss-a-string": (lambda s: s["rng"]["python"].update(gauss="g"), r"rng\['python'\]: cannot be restored"),
+    "numpy-position-past-the-end": (lambda s: s["rng"]["numpy"].update(position=10**6),
+                                    r"rng\['numpy'\]: cannot be restored"),
+    # A torch optimizer or scheduler loads any value and fails only at the next step.
+    "optimizer-lr-a-string": (lambda s: s["trainer"]["optimizer"]["param_groups"][0].update(lr="x"),
+                              r"optimizer\['param_groups'\]\[0\]\['lr'\]: 'x', expected a number"),
+    "optimizer-step-a-string": (lambda s: s["trainer"]["optimizer"]["state"].update({0: {"step": "x"}}),
+                                r"optimizer\['state'\]\[0\]\['step'\]: 'x', expected a tensor or a number"),
+    "schedule-without-last-epoch": (lambda s: s["trainer"]["scheduler"].pop("last_epoch"),
+                                    r"scheduler: no \['last_epoch'\]"),
+    "schedule-base-lrs-too-short": (lambda s: s["trainer"]["scheduler"].update(base_lrs=[1.0]),
+                                    r"scheduler\['base_lrs'\]: \[1.0\], expected a list of 2"),
+    "config-lr-a-string": (lambda s: s["trainer"]["config"].update(lr="x"), r"config\['lr'\]: 'x', expected a number"),
 }
 
 
@@ -432,6 +446,20 @@ def test_saving_the_same_step_twice_keeps_both_files_in_order(tmp_path):
     assert first != second and ckpt.list_checkpoints(tmp_path) == [first, second]
 
 
+def test_a_folder_named_like_a_checkpoint_is_neither_listed_nor_deleted(tmp_path):
+    impostor = tmp_path / ckpt.checkpoint_name(50, 1)
+    impostor.mkdir()
+    path = ckpt.save_training_checkpoint(tmp_path, trained().state_dict(), keep_last=1)
+    assert ckpt.list_checkpoints(tmp_path) == [path] and impostor.is_dir()
+    assert path.name == ckpt.checkpoint_name(51, 2), "the sequence still passes every name in the folder"
+
+
+@pytest.mark.parametrize("keep_last", [0, True, 2.0])
+def test_keep_last_must_be_a_positive_int(tmp_path, keep_last):
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}: keep_last={keep_last!r}"):
+        ckpt.save_training_checkpoint(tmp_path, trained().state_dict(), keep_last=keep_last)
+
+
 def test_temporary_file_is_never_listed_as_a_checkpoint(tmp_path):
     (tmp_path / f".{ckpt.checkpoint_name(9, 9)}.tmp-abc123").write_bytes(b"partial")
     (tmp_path / ckpt.checkpoint_name(3, 3)).write_bytes(b"")
@@ -483,3 +511,16 @@ def test_a_long_list_of_missing_keys_is_cut_short_with_its_count(tmp_path):
     missing = 6 * 12  # six extra blocks of 12 tensors each
     with pytest.raises(CheckpointError, match=rf"{missing} missing keys .* and {missing - ckpt.LISTED_KEYS} more"):
         ckpt.load_weights(much_deeper, tmp_path / "gpt.pt")
+
+
+def test_an_optimizer_flag_saved_as_none_loads_where_the_live_one_is_a_bool(tmp_path):
+    # torch's fused/foreach flags are None, True or False: a CPU checkpoint (None) resumes where they are set
+    source = trained(steps=2)
+    state = source.state_dict()
+    for group in state["optimizer"]["param_groups"]:
+        group["foreach"] = None
+    target = trained(seed=1, steps=1)
+    for group in target.optimizer.param_groups:
+        group["foreach"] = False
+    ckpt.load_training_checkpoint(ckpt.save_training_checkpoint(tmp_path, state), target)
+    assert target.step == 2

@@ -14,19 +14,18 @@ is checked entirely before anything live changes; every error is a
 ``CheckpointError`` naming the file.
 
 **Rotation keeps the newest written.** A checkpoint's name carries a save
-sequence, one more than the highest in its folder, beside its step
-(``ckpt-000007-step-00000042.pt``). "Latest" and "keep the last N" follow the
-sequence, never the step or the file's time, so a run restarted from an older
-step never loses its new checkpoint to an old one with a higher step. One
-process writes to a folder at a time.
+sequence beside its step (``ckpt-000007-step-00000042.pt``); "latest" and
+"keep the last N" follow the sequence, never the step or the file's time, so a
+run restarted from an older step keeps its new checkpoint. One process writes
+to a folder at a time.
 
-**What else exact resume depends on.** The run must be deterministic: same
-operations in the same order (``torch.use_deterministic_algorithms(True)``, a
-fixed number of CPU threads, same device and versions). A ``DataLoader`` with
-``shuffle=True`` or workers draws its base seed from the *global* torch
-generator each time it is iterated: iterate it after ``restore_rng_state`` (or
-give it its own ``generator``) and restore its position from the data state,
-as ``examples/resume_demo.py`` does with its ``TokenStream``.
+**What else exact resume depends on.** A deterministic run (same operations in
+the same order: ``torch.use_deterministic_algorithms(True)``, a fixed number of
+CPU threads, same device and versions). A ``DataLoader`` with ``shuffle=True``
+or workers draws its base seed from the *global* torch generator when
+iterated: iterate it after ``restore_rng_state`` (or give it its own
+``generator``) and restore its position from the data state, as
+``examples/resume_demo.py`` does with its ``TokenStream``.
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ CHECKPOINT_KEYS = ("format", "format_version", "trainer", "rng", "data", "model_
 RNG_KEYS = ("python", "numpy", "torch_cpu", "torch_cuda", "torch_mps")
 # Prefixes that wrappers add to every key: torch.compile's OptimizedModule and DDP.
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
-SNIFF_BYTES = 16
 LISTED_KEYS = 12  # an error lists at most this many missing or unexpected keys
 
 
@@ -66,72 +64,45 @@ class CheckpointError(RuntimeError):
 
 # --------------------------------------------------------------------------- reading torch files
 
-
-def file_kind(path: str | Path) -> str:
-    """What a file is, from its bytes: "torch", "torch-legacy", "safetensors", "empty" or "unknown".
-
-    ``torch.save`` writes a zip archive (starts with ``PK``); before PyTorch 1.6
-    it wrote a bare pickle (starts with protocol byte 0x80). A safetensors file
-    starts with an 8-byte little-endian header length followed by ``{``.
-    """
-    with open(path, "rb") as handle:
-        head = handle.read(SNIFF_BYTES)
-    if not head:
-        return "empty"
-    if head.startswith(b"PK\x03\x04"):
-        return "torch"
-    if head[:1] == b"\x80":
-        return "torch-legacy"
-    if len(head) > 8 and head[8:9] == b"{":
-        return "safetensors"
-    return "unknown"
-
-
 def read_torch_file(path: str | Path, *, mmap: bool = False, verify: bool = True) -> Any:
     """``torch.load(path, map_location="cpu", weights_only=True)`` with errors that name the file.
 
-    The file's kind and completeness are judged from its own bytes (the zip
-    archive's end record, its members' CRCs) and torch's refusal by its
-    exception type; torch's text is kept as detail. ``torch.load`` does not
-    check the CRCs, so bytes damaged inside a tensor would load silently:
-    ``verify=True`` checks them first (one extra read of the file; pass False
-    for a huge file you trust). ``mmap=True`` maps the tensors' bytes from the
-    file: loading is immediate, pages are read on use.
+    The file is judged from its own bytes first: ``torch.save`` writes a zip
+    archive (``PK``; before PyTorch 1.6 a bare pickle, byte 0x80), safetensors
+    starts with an 8-byte length and ``{``; a zip needs its end record, and
+    ``verify=True`` checks its members' CRCs, which ``torch.load`` does not
+    (one extra read; pass False for a huge file you trust). torch's refusal is
+    judged by its exception type, its text kept as detail. ``mmap=True`` maps
+    the tensors' bytes from the file: loading is immediate, pages are read on use.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
-    kind = file_kind(path)
-    if kind == "empty":
-        raise CheckpointError(f"{path}: the file is empty (0 bytes); was the save interrupted?")
-    if kind == "safetensors":
-        raise CheckpointError(f"{path}: is a safetensors file, not a torch.save file; "
-                              "read it with torchbook.weights.read_safetensors()")
-    if kind == "unknown":
-        with open(path, "rb") as handle:
-            head = handle.read(SNIFF_BYTES)
-        raise CheckpointError(f"{path}: not a file written by torch.save (it starts with {head!r}; "
-                              "expected a zip archive starting with b'PK\\x03\\x04')")
-    if kind == "torch" and not zipfile.is_zipfile(path):  # the archive's end record is missing
-        raise CheckpointError(f"{path}: truncated torch.save archive ({path.stat().st_size:,} bytes, "
-                              "no zip end record); was the write interrupted?")
-    if kind == "torch" and verify:
-        damage = _damaged_member(path)
-        if damage:
-            raise CheckpointError(f"{path}: corrupt torch.save file{damage}; the bytes changed after it was written")
+    with open(path, "rb") as handle:
+        head = handle.read(16)
+    refusal = ""
+    if not head:
+        refusal = "the file is empty (0 bytes); was the save interrupted?"
+    elif head[8:9] == b"{" and not head.startswith(b"PK"):
+        refusal = "is a safetensors file, not a torch.save file; read it with torchbook.weights.read_safetensors()"
+    elif not head.startswith((b"PK\x03\x04", b"\x80")):
+        refusal = f"not a file written by torch.save (it starts with {head!r}; expected a zip archive, b'PK\\x03\\x04')"
+    elif head.startswith(b"PK") and not zipfile.is_zipfile(path):  # the archive's end record is missing
+        refusal = f"truncated torch.save archive ({path.stat().st_size:,} bytes, no zip end record); was the write interrupted?"
+    elif head.startswith(b"PK") and verify and _damaged_member(path):
+        refusal = f"corrupt torch.save file{_damaged_member(path)}; the bytes changed after it was written"
+    if refusal:
+        raise CheckpointError(f"{path}: {refusal}")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:  # weights_only met something other than tensors and plain values
-        lines = str(error).splitlines()
-        detail = next((line.strip() for line in lines if "global" in line.lower()), lines[0] if lines else "")
-        raise CheckpointError(
-            f"{path}: refused by torch.load(weights_only=True): the file holds objects other than tensors "
-            f"and plain values, and rebuilding them could run code; load it with weights_only=False only "
-            f"if you made the file yourself. (torch: {detail})") from error
+        detail = next((line.strip() for line in str(error).splitlines() if "global" in line.lower()), _first_line(error))
+        raise CheckpointError(f"{path}: refused by torch.load(weights_only=True): the file holds objects other than "
+                              "tensors and plain values, and rebuilding them could run code; load it with "
+                              f"weights_only=False only if you made the file yourself. (torch: {detail})") from error
     except Exception as error:  # torch raises RuntimeError, KeyError, ... depending on the damage
-        detail = (str(error).strip().splitlines() or [""])[0]
         raise CheckpointError(f"{path}: corrupt torch.save file{_damaged_member(path)}: "
-                              f"{type(error).__name__}: {detail}") from error
+                              f"{type(error).__name__}: {_first_line(error)}") from error
 
 
 def _damaged_member(path: Path) -> str:
@@ -144,36 +115,26 @@ def _damaged_member(path: Path) -> str:
     return f" (member {bad} fails its CRC check)" if bad else ""
 
 
-# --------------------------------------------------------------------------- weights
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
 
+
+# --------------------------------------------------------------------------- weights
 
 def unwrap_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """Drop the key prefix a wrapper adds (``_orig_mod.``: torch.compile, ``module.``: DDP) when all keys have it."""
     unwrapped = dict(state_dict)
-    stripped = True
-    while stripped and unwrapped:
-        stripped = False
-        for prefix in WRAPPER_PREFIXES:
-            if all(isinstance(key, str) and key.startswith(prefix) for key in unwrapped):
-                unwrapped = {key[len(prefix):]: value for key, value in unwrapped.items()}
-                stripped = True
+    while unwrapped and (prefix := next((p for p in WRAPPER_PREFIXES if all(
+            isinstance(key, str) and key.startswith(p) for key in unwrapped)), None)):
+        unwrapped = {key[len(prefix):]: value for key, value in unwrapped.items()}
     return unwrapped
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The plain module inside a torch.compile (``_orig_mod``) or DDP (``.module``) wrapper."""
-    while True:
-        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
-
-
-def _first_few(keys: list[str]) -> str:
-    shown = ", ".join(keys[:LISTED_KEYS])
-    return shown if len(keys) <= LISTED_KEYS else f"{shown} and {len(keys) - LISTED_KEYS} more"
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module) or isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model._orig_mod
+    return model
 
 
 def state_dict_problems(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
@@ -183,17 +144,14 @@ def state_dict_problems(model: nn.Module, state_dict: Mapping[str, Any]) -> list
     leaving a half-loaded model; checking first avoids that.
     """
     expected = unwrap_model(model).state_dict()
-    missing = [key for key in expected if key not in state_dict]
-    unexpected = [str(key) for key in state_dict if key not in expected]
     problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing keys (in the model, not in the file): {_first_few(missing)}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected keys (in the file, not in the model): {_first_few(unexpected)}")
+    for kind, keys in (("missing keys (in the model, not in the file)", [k for k in expected if k not in state_dict]),
+                       ("unexpected keys (in the file, not in the model)", [str(k) for k in state_dict if k not in expected])):
+        if keys:
+            shown = ", ".join(keys[:LISTED_KEYS]) + (f" and {len(keys) - LISTED_KEYS} more" if len(keys) > LISTED_KEYS else "")
+            problems.append(f"{len(keys)} {kind}: {shown}")
     for key, target in expected.items():
-        source = state_dict.get(key)
-        if key not in state_dict:
-            continue
+        source = state_dict.get(key, target)
         if not isinstance(source, torch.Tensor):
             problems.append(f"{key}: file has a {type(source).__name__}, expected a tensor")
         elif source.shape != target.shape:
@@ -216,8 +174,7 @@ def _write_torch(path: Path, value: Any) -> Path:
     try:
         return atomic_write(path, lambda temporary: torch.save(value, temporary))
     except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
-        detail = (str(error).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"{path}: could not be written ({type(error).__name__}: {detail}); "
+        raise CheckpointError(f"{path}: could not be written ({type(error).__name__}: {_first_line(error)}); "
                               "is the disk full? The previous file, if any, is unchanged") from error
 
 
@@ -243,51 +200,88 @@ def load_weights(model: nn.Module, path: str | Path, *, mmap: bool = False) -> n
 
 # --------------------------------------------------------------------------- plain values only
 
-
 _PLAIN_TYPES = (bool, int, float, str, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
-# Exact container types: a subclass (defaultdict, a namedtuple) pickles under its own class name and is refused.
-_PLAIN_MAPPINGS = (dict, OrderedDict)
-_PLAIN_SEQUENCES = (list, tuple)
 
 
 def plain_value_problems(value: Any, where: str = "state") -> list[str]:
-    """Every value inside ``value`` that ``torch.load(weights_only=True)`` would refuse, by its key path."""
+    """Every value inside ``value`` that ``torch.load(weights_only=True)`` would refuse, by its key path.
+
+    Containers must be exactly dict, OrderedDict, list or tuple: a subclass
+    (defaultdict, a namedtuple) pickles under its own class name and is refused.
+    """
     if isinstance(value, _PLAIN_TYPES):
         return []
-    if type(value) in _PLAIN_MAPPINGS:
+    if type(value) in (dict, OrderedDict):
         problems = [f"{where}: key {key!r} is a {type(key).__name__}" for key in value if not isinstance(key, (str, int))]
-        for key, item in value.items():
-            problems += plain_value_problems(item, f"{where}[{key!r}]")
-        return problems
-    if type(value) in _PLAIN_SEQUENCES:
-        return [problem for index, item in enumerate(value) for problem in plain_value_problems(item, f"{where}[{index}]")]
+        return problems + [p for key, item in value.items() for p in plain_value_problems(item, f"{where}[{key!r}]")]
+    if type(value) in (list, tuple):
+        return [p for index, item in enumerate(value) for p in plain_value_problems(item, f"{where}[{index}]")]
     return [f"{where}: {type(value).__module__}.{type(value).__qualname__} is not a tensor or a plain value"]
 
 
 def config_as_dict(config: Any) -> dict[str, Any] | None:
     """A configuration as a dict of plain values (a dataclass via ``asdict``; a dataclass itself is not weights_only-loadable)."""
-    if config is None:
-        return None
+    if config is None or isinstance(config, Mapping):
+        return None if config is None else dict(config)
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         return dataclasses.asdict(config)
-    if isinstance(config, Mapping):
-        return dict(config)
     raise CheckpointError(f"configuration of type {type(config).__name__}: expected a dataclass instance or a dict")
 
 
 def config_differences(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> list[str]:
     """Fields whose values differ between two configuration dicts, as readable lines (tuples equal lists)."""
     saved, current = saved or {}, current or {}
-    lines = []
-    for key in sorted(set(saved) | set(current), key=str):
-        old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
-        if (list(old) if isinstance(old, tuple) else old) != (list(new) if isinstance(new, tuple) else new):
-            lines.append(f"{key}: {old!r} in the checkpoint, {new!r} now")
-    return lines
+    as_list = lambda value: list(value) if isinstance(value, tuple) else value  # noqa: E731
+    return [f"{key}: {saved.get(key, '<absent>')!r} in the checkpoint, {current.get(key, '<absent>')!r} now"
+            for key in sorted(set(saved) | set(current), key=str)
+            if as_list(saved.get(key, "<absent>")) != as_list(current.get(key, "<absent>"))]
+
+
+def kind_problems(saved: Any, live: Any, where: str, *, optional: bool = False) -> list[str]:
+    """Where ``saved`` does not have the structure of ``live``: keys, list lengths, kinds of values.
+
+    A number may be an int, a float or a tensor, never a bool or a string.
+    ``None`` matches anything where ``live`` is None, stands for a bool (torch's
+    tri-state flags: ``fused``, ``foreach``), and for anything with ``optional``.
+    """
+    if live is None or (saved is None and (optional or isinstance(live, bool))):
+        return []
+    if isinstance(live, Mapping):
+        if not isinstance(saved, Mapping):
+            return [f"{where}: a {type(saved).__name__}, expected a dict"]
+        missing = [key for key in live if key not in saved]
+        return ([f"{where}: no {missing[:LISTED_KEYS]}"] if missing else []) + [
+            p for key in live if key in saved for p in kind_problems(saved[key], live[key], f"{where}[{key!r}]",
+                                                                     optional=optional)]
+    if isinstance(live, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
+            return [f"{where}: {saved!r:.60}, expected a list of {len(live)}"]
+        return [p for i, (s, v) in enumerate(zip(saved, live)) for p in kind_problems(s, v, f"{where}[{i}]", optional=optional)]
+    number = lambda value: isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool)  # noqa: E731
+    for test, what in ((lambda v: isinstance(v, bool), "a bool"), (number, "a number"), (lambda v: isinstance(v, str), "a string")):
+        if test(live) and not test(saved):
+            return [f"{where}: {saved!r:.60}, expected {what}"]
+    return []
+
+
+def trainer_state_problems(saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:
+    """Hyperparameters, schedule, scaler and config of ``saved`` that do not have the kind ``live``'s have.
+
+    Both are ``Trainer.state_dict()`` results whose structure the trainer has
+    checked. A torch optimizer or scheduler takes any value (a string learning
+    rate, a schedule without ``last_epoch``) and fails only at the next step.
+    """
+    problems = [p for i, (group, now) in enumerate(zip(saved["optimizer"]["param_groups"], live["optimizer"]["param_groups"]))
+                for p in kind_problems(group, now, f"optimizer['param_groups'][{i}]")]
+    problems += [f"optimizer['state'][{index!r}][{name!r}]: {value!r:.40}, expected a tensor or a number"
+                 for index, entries in saved["optimizer"]["state"].items() for name, value in entries.items()
+                 if kind_problems(value, 0.0, "")]
+    problems += kind_problems(saved["scheduler"], live["scheduler"], "scheduler")
+    problems += kind_problems(saved["scaler"], live["scaler"], "scaler")
+    return problems + kind_problems(saved["config"], live["config"], "config", optional=True)
 
 
 # --------------------------------------------------------------------------- random number generators
-
 
 def _mps_available() -> bool:
     return hasattr(torch, "mps") and torch.backends.mps.is_available()
@@ -311,42 +305,55 @@ def capture_rng_state() -> dict[str, Any]:
     }
 
 
+def _words(value: Any, count: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.int64 and tuple(value.shape) == (count,)
+
+
 def _python_state(saved: Mapping[str, Any]) -> tuple:
-    return (saved["version"], tuple(saved["words"].tolist()), saved["gauss"])
+    """The tuple ``random.setstate`` takes, checked on a private generator (which accepts any ``gauss``)."""
+    gauss = saved["gauss"]
+    if type(saved["version"]) is not int or not _words(saved["words"], 625) or not (gauss is None or type(gauss) is float):
+        raise TypeError("expected {'version': int, 'words': 625 int64s, 'gauss': float or None}")
+    state = (saved["version"], tuple(saved["words"].tolist()), gauss)
+    random.Random().setstate(state)
+    return state
 
 
 def _numpy_state(saved: Mapping[str, Any]) -> tuple:
-    return (saved["algorithm"], saved["keys"].numpy().astype(np.uint32), saved["position"],
-            saved["has_gauss"], saved["cached_gaussian"])
+    """The tuple ``np.random.set_state`` takes, checked on a private generator (which accepts any position)."""
+    state = (saved["algorithm"], saved["keys"], saved["position"], saved["has_gauss"], saved["cached_gaussian"])
+    if state[0] != "MT19937" or not _words(state[1], 624) or type(state[2]) is not int or not 0 <= state[2] <= 624 \
+            or state[3] not in (0, 1) or type(state[4]) is not float:
+        raise TypeError("expected {'algorithm': 'MT19937', 'keys': 624 int64s, 'position': 0..624, "
+                        "'has_gauss': 0 or 1, 'cached_gaussian': float}")
+    state = (state[0], state[1].numpy().astype(np.uint32), *state[2:])
+    np.random.RandomState().set_state(state)
+    return state
 
 
 def rng_state_problems(state: Any) -> list[str]:
-    """Every reason ``state`` cannot be restored here, found by restoring it into private generators.
+    """Every reason ``state`` cannot be restored here; the global generators are not touched.
 
-    Each state is set on a fresh ``random.Random``, ``np.random.RandomState``
-    and ``torch.Generator``: they check lengths and values exactly as the
-    global ones would, and the global generators are not touched.
+    Each field must have the type ``capture_rng_state`` wrote, and each state
+    is set on a fresh ``random.Random``, ``np.random.RandomState`` and
+    ``torch.Generator``, which check lengths and values as the global ones would.
     """
     if not isinstance(state, Mapping) or any(key not in state for key in RNG_KEYS):
         return [f"rng: expected a dict with {', '.join(RNG_KEYS)}"]
     problems = []
-    checks = {
-        "python": lambda s: random.Random().setstate(_python_state(s)),
-        "numpy": lambda s: np.random.RandomState().set_state(_numpy_state(s)),
-        "torch_cpu": lambda s: torch.Generator().set_state(s),
-    }
-    for name, check in checks.items():
+    for name, check in (("python", _python_state), ("numpy", _numpy_state), ("torch_cpu", torch.Generator().set_state)):
         try:
+            if name == "torch_cpu" and not isinstance(state[name], torch.Tensor):
+                raise TypeError("expected a uint8 tensor")
             check(state[name])
         except Exception as error:  # wrong type, length or value: each library raises its own
             problems.append(f"rng[{name!r}]: cannot be restored ({type(error).__name__}: {error})")
-    cuda = state["torch_cuda"]
+    cuda, mps = state["torch_cuda"], state["torch_mps"]
     here = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not isinstance(cuda, list) or not all(isinstance(s, torch.Tensor) and s.dtype == torch.uint8 for s in cuda):
         problems.append("rng['torch_cuda']: expected a list of uint8 tensors")
     elif cuda and len(cuda) != here:
         problems.append(f"rng['torch_cuda']: states for {len(cuda)} CUDA devices in the file, {here} here")
-    mps = state["torch_mps"]
     if mps is not None and not (isinstance(mps, torch.Tensor) and mps.dtype == torch.uint8):
         problems.append("rng['torch_mps']: expected a uint8 tensor or None")
     elif mps is not None and not _mps_available():
@@ -370,7 +377,6 @@ def restore_rng_state(state: Mapping[str, Any], source: str | Path = "checkpoint
 
 # --------------------------------------------------------------------------- training checkpoints
 
-
 def checkpoint_name(sequence: int, step: int) -> str:
     """``ckpt-000007-step-00000042.pt``: the 7th save in its folder, taken after step 42."""
     return f"ckpt-{sequence:06d}-step-{step:08d}.pt"
@@ -385,12 +391,11 @@ def checkpoint_step(path: str | Path) -> int:
 
 
 def list_checkpoints(folder: str | Path) -> list[Path]:
-    """Complete training checkpoints in ``folder``, in the order they were saved (temporaries never match)."""
+    """Training checkpoint files in ``folder``, in the order they were saved (temporaries never match)."""
     folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    found = [(CHECKPOINT_PATTERN.match(path.name), path) for path in folder.iterdir()]
-    return [path for _, path in sorted((int(match.group(1)), path) for match, path in found if match)]
+    found = [(CHECKPOINT_PATTERN.match(path.name), path) for path in folder.iterdir()] if folder.is_dir() else []
+    return [path for _, path in sorted((int(match.group(1)), path) for match, path in found
+                                       if match and path.is_file())]
 
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
@@ -399,42 +404,30 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_training_checkpoint(
-    folder: str | Path,
-    trainer_state: Mapping[str, Any],
-    *,
-    data_state: Mapping[str, Any] | None = None,
-    model_config: Any = None,
-    keep_last: int = 3,
-) -> Path:
+def save_training_checkpoint(folder: str | Path, trainer_state: Mapping[str, Any], *,
+                             data_state: Mapping[str, Any] | None = None, model_config: Any = None,
+                             keep_last: int = 3) -> Path:
     """Write ``trainer_state`` (``Trainer.state_dict()``), the RNG states and the data position; keep the newest ``keep_last``.
 
-    Call it after an optimizer step and before the next batch is drawn, with
-    ``data_state`` saying how far the data stream has gone. The file is named
-    after the next save sequence of ``folder`` and the trainer's step. All of it
-    is checked for ``weights_only`` loadability before any byte is written;
-    older checkpoints are deleted only after the new one is durable, and never
-    the new one itself.
+    Call it after an optimizer step and before the next batch is drawn. The
+    name takes the next sequence of ``folder`` (past every name that looks like
+    a checkpoint). Everything is checked for ``weights_only`` loadability
+    before a byte is written; older checkpoints are deleted only after the new
+    one is durable, and never the new one itself.
     """
     folder = Path(folder)
-    if not isinstance(keep_last, int) or keep_last < 1:
+    if type(keep_last) is not int or keep_last < 1:
         raise CheckpointError(f"{folder}: keep_last={keep_last!r}; must be an int >= 1, or the new checkpoint "
                               "would be deleted")
     step = trainer_state.get("step") if isinstance(trainer_state, Mapping) else None
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    if type(step) is not int or step < 0:
         raise CheckpointError(f"{folder}: trainer_state['step'] is {step!r}; expected the trainer's "
                               "state_dict() with an int step")
-    saved = list_checkpoints(folder)
-    sequence = int(CHECKPOINT_PATTERN.match(saved[-1].name).group(1)) + 1 if saved else 1
-    path = folder / checkpoint_name(sequence, step)
-    state = {
-        "format": TRAINING_FORMAT,
-        "format_version": TRAINING_FORMAT_VERSION,
-        "trainer": dict(trainer_state),
-        "rng": capture_rng_state(),
-        "data": dict(data_state) if data_state is not None else None,
-        "model_config": config_as_dict(model_config),
-    }
+    taken = [int(m.group(1)) for m in map(CHECKPOINT_PATTERN.match, (p.name for p in folder.glob("ckpt-*"))) if m]
+    path = folder / checkpoint_name(max(taken, default=0) + 1, step)
+    state = {"format": TRAINING_FORMAT, "format_version": TRAINING_FORMAT_VERSION, "trainer": dict(trainer_state),
+             "rng": capture_rng_state(), "data": dict(data_state) if data_state is not None else None,
+             "model_config": config_as_dict(model_config)}
     problems = plain_value_problems(state)
     if problems:
         raise CheckpointError(f"{path}: not saved; torch.load(weights_only=True) could not read it back:\n  "
@@ -443,8 +436,8 @@ def save_training_checkpoint(
     for old in list_checkpoints(folder)[:-keep_last]:
         if old != path:
             old.unlink(missing_ok=True)
-    for leftover in folder.iterdir():  # left by a save that crashed; never a checkpoint
-        if is_temporary(leftover) and leftover.name.startswith(".ckpt-"):
+    for leftover in folder.glob(".ckpt-*"):  # left by a save that crashed; never a checkpoint
+        if is_temporary(leftover) and leftover.is_file():
             leftover.unlink(missing_ok=True)
     return path
 
@@ -462,8 +455,7 @@ def read_training_checkpoint(path: str | Path) -> dict[str, Any]:
     missing = [key for key in CHECKPOINT_KEYS if key not in state]
     if missing:
         raise CheckpointError(f"{path}: training checkpoint without {', '.join(repr(k) for k in missing)}")
-    for key, allowed in (("trainer", (Mapping,)), ("data", (Mapping, type(None))),
-                         ("model_config", (Mapping, type(None)))):
+    for key, allowed in (("trainer", Mapping), ("data", (Mapping, type(None))), ("model_config", (Mapping, type(None)))):
         if not isinstance(state[key], allowed):
             raise CheckpointError(f"{path}: {key!r} is a {type(state[key]).__name__}, expected a dict")
     return dict(state)
@@ -484,12 +476,11 @@ def load_training_checkpoint(path: str | Path, trainer: Any, *, model_config: An
     """Restore a run from ``path`` into ``trainer`` (and the global generators); return the step and data position.
 
     Everything is checked first, so on any error nothing has changed: the
-    file's kind and structure, the model configuration (a different one is
-    refused: the weights would not mean the same thing), every RNG state, and
-    the trainer's whole state (``trainer.state_dict_problems``: weights,
-    optimizer, scheduler, scaler, step, history). A changed training
-    configuration (say a new learning rate) is allowed, applied by the trainer
-    and listed in ``Resumed.train_config_changes``.
+    file, the model configuration (a different one is refused: the weights
+    would not mean the same thing), every RNG state and the trainer's whole
+    state (``trainer.state_dict_problems``, then ``trainer_state_problems``). A
+    changed training configuration (say a new learning rate) is applied by the
+    trainer and listed in ``Resumed.train_config_changes``.
     """
     path = Path(path)
     state = read_training_checkpoint(path)
@@ -501,7 +492,8 @@ def load_training_checkpoint(path: str | Path, trainer: Any, *, model_config: An
         problems += rng_state_problems(state["rng"])
     check = getattr(trainer, "state_dict_problems", None)
     if check is not None:
-        problems += check(state["trainer"])
+        trainer_problems = check(state["trainer"])
+        problems += trainer_problems or trainer_state_problems(state["trainer"], trainer.state_dict())
     if problems:
         raise CheckpointError(f"{path}: cannot be restored; nothing was loaded:\n  " + "\n  ".join(problems))
     trainer.load_state_dict(state["trainer"])
