@@ -97,13 +97,16 @@ def train(args: argparse.Namespace, sizes: DeviceSizes, context: DistributedCont
     with torch.no_grad():
         local_loss = F.cross_entropy(ddp_model(x.to(context.device)).flatten(0, 1), y.to(context.device).flatten())
     val_loss = mean_over_ranks(local_loss).item()
-
-    for row in history if is_rank_zero() else []:
-        print(f"step {row['step']:3d}  loss {row['loss']:.4f}  lr {row['lr']:.2e}")
-    print(f"rank {context.rank}: {trainer.step} steps, {counter.calls} all-reduces for one unsynced "
-          f"step, own loss {local_loss.item():.4f}", flush=True)
+    # Every rank's own numbers, collected on rank 0 (a collective: all ranks call it), so that
+    # one process prints and lines from different ranks never interleave.
+    per_rank = [None] * context.world_size
+    torch.distributed.all_gather_object(per_rank, (counter.calls, local_loss.item()))
     if not is_rank_zero():
         return
+    for row in history:
+        print(f"step {row['step']:3d}  loss {row['loss']:.4f}  lr {row['lr']:.2e}")
+    for rank, (calls, loss) in enumerate(per_rank):
+        print(f"rank {rank}: {calls} all-reduces for one unsynced step, own loss {loss:.4f}")
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write(args.out / "checkpoint.pt", lambda path: torch.save(trainer.state_dict(), path))
     result = {
