@@ -89,3 +89,15 @@ def test_a_read_only_folder_is_a_permission_error_naming_the_file(tmp_path):
             atomic_write_text(folder / "out.txt", "x")
     finally:
         folder.chmod(0o755)
+
+
+def test_an_error_that_is_not_the_systems_propagates_unchanged(tmp_path):
+    class NetworkError(OSError):  # like urllib's URLError: an OSError without an errno
+        pass
+
+    def fail(temporary: Path) -> None:
+        raise NetworkError("name or service not known")
+
+    with pytest.raises(NetworkError, match="^name or service not known$"):
+        atomic_write(tmp_path / "download.txt", fail)
+    assert os.listdir(tmp_path) == []

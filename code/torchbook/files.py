@@ -46,7 +46,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(temporary)`` to fill a temporary file, then move it to ``path`` atomically.
 
     Returns ``path``. On any error the temporary is removed and ``path`` is
-    left as it was. An ``OSError`` (a full disk, a read-only folder) is raised
+    left as it was. A system error (a full disk, a read-only folder) is raised
     again as an ``OSError`` of the same errno whose message names ``path``
     (the hidden temporary's name would tell a reader nothing); any other error
     propagates unchanged, for the caller to name the file.
@@ -64,11 +64,10 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     except BaseException as error:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
-        if not isinstance(error, OSError):
+        if not isinstance(error, OSError) or error.errno is None:  # not the system's (a URLError): unchanged
             raise
-        detail = f"{path}: could not be written ({error.strerror or error}); it is unchanged"
         # OSError(errno, text) gives the subclass of that errno: PermissionError, ...
-        raise (OSError(error.errno, detail) if error.errno else OSError(detail)) from error
+        raise OSError(error.errno, f"{path}: could not be written ({error.strerror}); it is unchanged") from error
     fsync_path(path.parent)
     return path
 
