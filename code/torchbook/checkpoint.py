@@ -21,9 +21,9 @@ to a folder at a time.
 
 **What else exact resume depends on.** A deterministic run (same operations in
 the same order: ``torch.use_deterministic_algorithms(True)``, a fixed number of
-CPU threads, same device and versions). A ``DataLoader`` with ``shuffle=True``
-or workers draws its base seed from the *global* torch generator when
-iterated: iterate it after ``restore_rng_state`` (or give it its own
+CPU threads, same device and versions). A ``DataLoader`` without a
+``generator`` of its own draws a base seed from the *global* torch generator
+every time it is iterated, even without shuffling or workers: iterate it after ``restore_rng_state`` (or give it its own
 ``generator``) and restore its position from the data state, as
 ``examples/resume_demo.py`` does with its ``TokenStream``.
 """
