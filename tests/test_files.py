@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
 
 import pytest
 
 from torchbook import files
-from torchbook.files import atomic_write, atomic_write_text, is_temporary
+from torchbook.files import atomic_write, atomic_write_bytes, atomic_write_text, is_temporary
 
 
 def test_a_failing_writer_leaves_the_old_file_and_no_temporary(tmp_path):
@@ -101,3 +102,15 @@ def test_an_error_that_is_not_the_systems_propagates_unchanged(tmp_path):
     with pytest.raises(NetworkError, match="^name or service not known$"):
         atomic_write(tmp_path / "download.txt", fail)
     assert os.listdir(tmp_path) == []
+
+
+def test_the_written_file_gets_the_mode_a_plain_open_would_give(tmp_path):
+    # mkstemp's 0600 must not leak into the final file: the umask decides, as for open().
+    old_umask = os.umask(0o022)
+    try:
+        atomic_write_bytes(tmp_path / "shared.bin", b"data")
+        (tmp_path / "plain.bin").write_bytes(b"data")
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE((tmp_path / "shared.bin").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "shared.bin").stat().st_mode) == stat.S_IMODE((tmp_path / "plain.bin").stat().st_mode)

@@ -5,7 +5,7 @@ checkpoint, a token shard, a downloaded data set, a results file) goes through
 ``atomic_write``. The recipe is the one databases use:
 
 1. write the content to a temporary file in the *same folder*, under a unique
-   name (``tempfile.mkstemp``), so two writers never share a temporary and a
+   name (``O_EXCL`` on a random suffix), so two writers never share a temporary and a
    rename never crosses file systems;
 2. ``fsync`` the temporary: its bytes are on the disk, not only in the page cache;
 3. ``os.replace`` it over the final name: atomic on POSIX and Windows;
@@ -19,7 +19,7 @@ behind, and its name (``.<name>.tmp-XXXXXXXX``) never matches the final one.
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,6 +42,23 @@ def is_temporary(path: str | Path) -> bool:
     return name.startswith(".") and TEMPORARY_MARKER in name
 
 
+def _new_temporary(path: Path) -> Path:
+    """Create an empty, uniquely named temporary beside ``path``.
+
+    ``tempfile.mkstemp`` would do, but it creates the file readable by its
+    owner only (0600), and the rename would carry that mode to the final
+    file; ``os.open`` with mode 0666 lets the umask decide, as a plain
+    ``open`` does.
+    """
+    while True:
+        temporary = path.parent / f".{path.name}{TEMPORARY_MARKER}{secrets.token_hex(4)}"
+        try:
+            os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return temporary
+        except FileExistsError:
+            continue  # another writer drew the same name: draw again
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(temporary)`` to fill a temporary file, then move it to ``path`` atomically.
 
@@ -55,9 +72,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{TEMPORARY_MARKER}")
-        os.close(handle)
-        temporary = Path(name)
+        temporary = _new_temporary(path)
         write(temporary)
         fsync_path(temporary)
         os.replace(temporary, path)
