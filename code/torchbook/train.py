@@ -1,49 +1,32 @@
 """The book's training loop: one optimizer step, written out in named parts.
 
-A step over ``accum_steps`` micro-batches does, in this order:
+A step over ``accum_steps`` micro-batches does, in this order: (1) **count**
+the target tokens (not ``IGNORE_INDEX``) on the device, without a sync; (2)
+**forward** under ``torch.autocast`` (bf16, fp16 or off) with the loss in
+**float32**, summed over tokens and divided by the step's count, so that the
+gradients add up to those of the *mean* loss over the whole step; (3)
+**backward** through ``scaler.scale`` (a no-op unless fp16); (4) **unscale**
+and **clip** the total gradient norm; (5) **step** through the scaler, which
+skips the step when an fp16 gradient overflowed, and **update** the scale; (6)
+advance the **schedule**; (7) **zero** the gradients to ``None``.
 
-1. **count** the target tokens of all its micro-batches (those not equal to
-   ``IGNORE_INDEX``), on the device, without a sync (all-reduced over the ranks
-   when distributed);
-2. **forward** each micro-batch under ``torch.autocast`` (bf16 or fp16, or
-   nothing for fp32), then compute the loss in **float32**, summed over tokens
-   and divided by the step's token count, so that the gradients add up to the
-   gradient of the *mean* loss over the whole step's tokens;
-3. **backward** (through ``scaler.scale`` when fp16; the scaler is a no-op otherwise);
-4. **unscale** the gradients and **clip** their total norm (keeping the norm before clipping);
-5. **step** the optimizer through the scaler, which skips the step when an fp16
-   gradient overflowed, and **update** the scaler's scale;
-6. advance the learning-rate **schedule** (by default linear warmup, then cosine to ``min_lr``);
-7. **zero** the gradients by setting them to ``None``.
+Losses and gradient norms stay on the device and are read to the host (a GPU
+sync) only every ``log_every`` steps, when a ``history`` row is written; a
+non-finite loss is noticed then, up to ``log_every - 1`` steps late, and the
+error names the step where it started so you can resume from before it.
 
-``train_step`` returns a ``StepResult`` whose loss and gradient norm stay on
-the device as tensors. They are read to the host (a GPU sync) only every
-``log_every`` steps, when a row is appended to ``history``. That is also when a
-non-finite loss is noticed: up to ``log_every - 1`` steps after it happened,
-steps that have already applied non-finite updates to the weights. The error
-names the step where it started, so you can resume from a checkpoint taken before it.
+The ``Trainer`` owns the training state: ``state_dict()`` holds everything as
+tensors and plain values (``torch.load(..., weights_only=True)`` reads it),
+and ``load_state_dict`` checks all of it before changing anything.
 
-The ``Trainer`` owns the training state: ``state_dict()`` holds model,
-optimizer, schedule, scaler, step counts, history and the losses not yet
-logged, as tensors and plain values (loadable with ``torch.load(...,
-weights_only=True)``), and ``load_state_dict`` restores all of it after
-checking all of it.
+**Distributed.** With more than one rank the model must be DDP or FSDP2
+(``fully_shard``), which *average* gradients. The step all-reduces the token
+count, multiplies each loss by the world size (so the gradient is that of the
+global mean loss, however tokens fall per rank) and synchronises gradients on
+the last micro-batch only. ``state_dict`` suits one process or DDP; FSDP2's
+sharded weights need ``torch.distributed.checkpoint``.
 
-**Distributed.** When ``torch.distributed`` is initialised with more than one
-rank, the model must be wrapped in DDP or FSDP2 (``fully_shard``), which
-*average* gradients over the ranks. ``train_step`` then all-reduces the
-step's target-token count (so every rank divides by the global count),
-multiplies each micro-batch loss by the world size (undoing the averaging, so
-the gradient is that of the global mean loss, whatever the tokens per rank),
-and runs all but the last micro-batch without gradient synchronisation
-(``model.no_sync()`` for DDP, ``model.set_requires_gradient_sync(False)`` for
-FSDP2). The logged loss is the global mean. (``state_dict`` suits one process
-or DDP; an FSDP2 model's weights are sharded DTensors, which
-``torch.distributed.checkpoint`` saves.)
-
-The trainer keeps no global state: the caller seeds the model's initialisation
-(and the global generator that dropout draws from) and the data; the loop
-itself draws no random numbers.
+The loop draws no random numbers: the caller seeds initialisation, dropout and data.
 """
 
 from __future__ import annotations
@@ -65,14 +48,11 @@ from torch import Tensor, nn
 # Targets equal to this are not scored (padding, prompt tokens): cross_entropy's own default.
 IGNORE_INDEX = -100
 
-AUTOCAST_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,  # autocast disabled; listed so every precision has a dtype
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
+# The autocast dtype of each precision; "fp32" disables autocast and is listed so every precision has one.
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Devices with a fused AdamW kernel (one kernel for all parameters instead of one per operation).
 FUSED_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu")
-# TrainConfig fields that the default optimizer and schedule are built from; see Trainer.load_state_dict.
+# TrainConfig fields the default optimizer and schedule are built from; see Trainer.load_state_dict.
 OPTIMIZER_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps", "weight_decay", "betas")
 STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "step", "skipped_steps", "history", "pending", "config")
 PENDING_KEYS = ("steps", "lr", "loss", "grad_norm", "target_tokens", "seconds")
@@ -100,22 +80,16 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.precision not in AUTOCAST_DTYPES:
-            raise ValueError(
-                f"TrainConfig.precision must be one of {sorted(AUTOCAST_DTYPES)}, got {self.precision!r}"
-            )
+            raise ValueError(f"TrainConfig.precision must be one of {sorted(AUTOCAST_DTYPES)}, got {self.precision!r}")
         for name in ("max_steps", "accum_steps", "eval_every", "log_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive int, got {value!r}")
         if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps <= self.max_steps:
-            raise ValueError(
-                f"TrainConfig.warmup_steps must be an int in [0, max_steps={self.max_steps}], "
-                f"got {self.warmup_steps!r}"
-            )
+            raise ValueError(f"TrainConfig.warmup_steps must be an int in [0, max_steps={self.max_steps}], "
+                             f"got {self.warmup_steps!r}")
         if not 0 <= self.min_lr <= self.lr or self.lr <= 0:
-            raise ValueError(
-                f"TrainConfig needs 0 <= min_lr <= lr and lr > 0, got min_lr={self.min_lr}, lr={self.lr}"
-            )
+            raise ValueError(f"TrainConfig needs 0 <= min_lr <= lr and lr > 0, got min_lr={self.min_lr}, lr={self.lr}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"TrainConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
 
@@ -133,10 +107,9 @@ class StepResult:
 def learning_rate(step: int, config: TrainConfig) -> float:
     """Learning rate for the optimizer step that follows ``step`` completed steps.
 
-    Linear warmup over ``warmup_steps`` (from lr / warmup_steps up to lr), then a
-    half cosine from lr down to ``min_lr`` at ``max_steps``, and ``min_lr`` after.
-    Warmup keeps the first updates small while AdamW's second-moment estimates
-    are still poor; the cosine lets the loss settle at the end.
+    Linear warmup (lr / warmup_steps up to lr), then a half cosine down to ``min_lr``
+    at ``max_steps``, ``min_lr`` after. Warmup keeps the first updates small while
+    AdamW's second moments are poor; the cosine lets the loss settle.
     """
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
@@ -149,10 +122,9 @@ def learning_rate(step: int, config: TrainConfig) -> float:
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: matrices (dim >= 2) decay; biases and norm weights (dim < 2) do not.
 
-    Decay pulls weights towards zero. That regularises the matrices that mix
-    features, but a LayerNorm gain pulled to zero would switch its layer off,
-    and a bias has nothing to regularise. ``named_parameters`` yields a tied
-    weight once, so it lands in exactly one group.
+    Decay regularises the matrices that mix features; a LayerNorm gain pulled to
+    zero would switch its layer off, and a bias has nothing to regularise. A tied
+    weight is yielded once by ``named_parameters``, so it lands in one group.
     """
     trainable = [p for _, p in model.named_parameters() if p.requires_grad]
     return [
@@ -163,7 +135,6 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup + cosine (``learning_rate``) as a ``LambdaLR``: each group's lr times ``learning_rate / config.lr``."""
-
     def lr_factor(step: int) -> float:  # LambdaLR multiplies each group's base lr by this
         return learning_rate(step, config) / config.lr
 
@@ -174,10 +145,9 @@ def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device 
                     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """The book's AdamW (decay and no-decay groups) and its warmup + cosine schedule.
 
-    ``fused=True`` where the device has a fused kernel (CUDA, CPU, MPS, XPU) and
-    every parameter is floating point: one kernel updates all parameters, where
-    the default runs several per operation. ``device`` defaults to where the
-    first parameter is.
+    ``fused=True`` (one kernel for all parameters, not several per operation) where
+    the device has the kernel and every parameter is floating point. ``device``
+    defaults to the first parameter's.
     """
     groups = parameter_groups(model, config.weight_decay)
     parameters = [p for group in groups for p in group["params"]]
@@ -189,26 +159,16 @@ def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device 
 
 
 def _check_on_device(model: nn.Module, device: torch.device) -> None:
-    """Raise unless every parameter and buffer already lives on ``device``.
-
-    The optimizer must be built on the parameters where they will train: its
-    state (AdamW's moments) is created next to them.
-    """
+    """Raise unless every tensor of ``model`` is on ``device``, where AdamW will create its moments."""
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
         where = tensor.device
         if where.type != device.type or (device.index is not None and where.index != device.index):
-            raise ValueError(
-                f"Trainer: model tensor {name!r} is on {where}, expected {device}; "
-                f"call model.to({str(device)!r}) before building the Trainer"
-            )
+            raise ValueError(f"Trainer: model tensor {name!r} is on {where}, expected {device}; "
+                             f"call model.to({str(device)!r}) before building the Trainer")
 
 
 def _inner_module(model: nn.Module) -> nn.Module:
-    """The plain module inside torch.compile (``_orig_mod``) and DDP (``.module``) wrappers.
-
-    Its ``state_dict`` keys carry no wrapper prefix, so a checkpoint written by a
-    compiled or DDP run loads into a plain model.
-    """
+    """The module inside torch.compile and DDP wrappers: its keys load into a plain model."""
     while True:
         if isinstance(getattr(model, "_orig_mod", None), nn.Module):
             model = model._orig_mod
@@ -229,15 +189,12 @@ def _is_count(value: Any) -> bool:
 class Trainer:
     """Trains ``model`` (inputs -> logits) with clipping, mixed precision and a learning-rate schedule.
 
-    ``optimizer`` and ``scheduler`` default to ``build_optimizer(model, config,
-    device)``: AdamW with warmup + cosine. Pass your own (SGD, another
-    schedule) to train with those; a passed optimizer without a scheduler gets
-    the book's warmup + cosine shape applied to its own learning rate.
-    ``step`` counts the optimizer steps done (an fp16 step the scaler skipped
-    does not count, and is tallied in ``skipped_steps``); ``history`` holds one
-    dict per logged step: ``step``, ``loss``, ``lr`` (the rate the optimizer
-    used for that step), ``grad_norm``, ``tokens_per_second`` and, where
-    evaluated, ``val_loss``.
+    ``optimizer`` and ``scheduler`` default to ``build_optimizer``'s AdamW with
+    warmup + cosine; a passed optimizer without a scheduler gets that shape on
+    its own rate. ``step`` counts the optimizer steps done (an fp16 step the
+    scaler skipped counts in ``skipped_steps`` instead); ``history`` has a row
+    per logged step: ``step``, ``loss``, ``lr`` (the rate used), ``grad_norm``,
+    ``tokens_per_second`` and, where evaluated, ``val_loss``.
     """
 
     def __init__(self, model: nn.Module, config: TrainConfig, device: torch.device | str,
@@ -249,30 +206,22 @@ class Trainer:
             raise ValueError("Trainer: a scheduler was passed without its optimizer; pass both")
         world_size = _world_size()
         if world_size > 1 and not (hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync")):
-            raise ValueError(
-                f"Trainer: torch.distributed runs {world_size} ranks but {type(model).__name__} is neither "
-                "DDP nor FSDP; wrap the model so that its gradients are averaged over the ranks"
-            )
-        self.model = model
-        self.config = config
-        self.device = device
+            raise ValueError(f"Trainer: torch.distributed runs {world_size} ranks but {type(model).__name__} is "
+                             "neither DDP nor FSDP; wrap the model so that its gradients are averaged over the ranks")
+        self.model, self.config, self.device = model, config, device
         self.autocast_dtype = AUTOCAST_DTYPES[config.precision]
-        # True when the optimizer and schedule are the book's, built from config (see load_state_dict).
-        self.owns_optimizer = optimizer is None
+        self.owns_optimizer = optimizer is None  # built from config, so load_state_dict may rebuild it
         if optimizer is None:
             optimizer, scheduler = build_optimizer(model, config, device)
         elif scheduler is None:
             scheduler = build_schedule(optimizer, config)
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        # Loss scaling only for fp16: its exponent range is so narrow that small gradients
-        # underflow to zero. bf16 has fp32's exponent range and needs none.
+        self.optimizer, self.scheduler = optimizer, scheduler
+        # Loss scaling only for fp16, whose narrow exponent range flushes small gradients to zero.
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
         self.step = 0
         self.skipped_steps = 0
         self.history: list[dict] = []
-        # Per-step values since the last history row, loss/norm/tokens still on the device:
-        # (step, lr, loss, grad_norm, target_tokens).
+        # Steps since the last history row: (step, lr, loss, grad_norm, target_tokens), tensors on the device.
         self._unlogged: list[tuple[int, float, Tensor, Tensor, Tensor]] = []
         self._interval_started = time.perf_counter()
 
@@ -289,13 +238,11 @@ class Trainer:
         return contextlib.nullcontext()
 
     def accumulate_gradients(self, micro_batches: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-        """Forward and backward over ``micro_batches``; returns (mean loss, target tokens) as tensors.
+        """Parts 1-3 over ``micro_batches``; returns (mean loss, target tokens) as device tensors.
 
-        Each micro-batch's loss is summed over its tokens and divided by the
-        target-token count of *all* the micro-batches, so the accumulated
-        gradient is the gradient of the mean loss over every token of the step:
-        exactly what one big batch would give, whatever the micro-batch sizes
-        or how the ignored tokens are spread among them.
+        Dividing each summed loss by the token count of *all* micro-batches makes
+        the accumulated gradient exactly one big batch's, however the sizes and
+        ignored tokens are spread.
         """
         batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                    for x, y in micro_batches]
@@ -325,12 +272,10 @@ class Trainer:
         return step_loss, target_tokens
 
     def clip_gradients(self) -> Tensor:
-        """Unscale the gradients (fp16) and clip their total norm; returns the norm before clipping.
+        """Part 4: unscale (fp16), then clip; returns the total norm before clipping.
 
-        Unscaling first matters: clipping a scaled gradient would compare
-        ``max_grad_norm`` with a norm that is ``scale`` times too large.
+        Unscaling first matters: a scaled norm is ``scale`` times too large for ``max_grad_norm``.
         """
-        # 4. unscale, then clip
         self.scaler.unscale_(self.optimizer)
         parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.config.max_grad_norm is None:
@@ -338,12 +283,10 @@ class Trainer:
         return torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)
 
     def train_step(self, micro_batches: Sequence[tuple[Tensor, Tensor]]) -> StepResult:
-        """One optimizer step over ``micro_batches`` (usually ``accum_steps`` of them, fewer at the end).
+        """One optimizer step over ``micro_batches`` (usually ``accum_steps``, fewer at the end of the data).
 
-        Parts 1-3 (count, forward and loss, backward) are in ``accumulate_gradients``,
-        part 4 (unscale, clip) in ``clip_gradients``; parts 5-7 follow here. With
-        fp16 the scaler may skip the step (a gradient overflowed): then ``step``
-        does not advance, ``skipped_steps`` does, and the result says ``skipped``.
+        When the fp16 scaler skips the step, ``skipped_steps`` advances instead
+        of ``step`` and the result says ``skipped``.
         """
         if len(micro_batches) == 0:
             raise ValueError("Trainer.train_step: got no micro-batches; a step needs at least one")
@@ -375,17 +318,15 @@ class Trainer:
         return result
 
     def log(self) -> dict | None:
-        """Read the losses since the last row to the host (a sync) and append a history row.
+        """Read the steps since the last row to the host (a sync) and append a history row.
 
-        Raises ``NonFiniteLossError`` naming the first step whose loss was NaN
-        or infinite. Returns the new row, or None if no step ran since the last one.
+        Returns the row, or None if no step ran since the last one. Raises
+        ``NonFiniteLossError`` naming the first step whose loss was not finite.
         """
         if not self._unlogged:
             return None
-        steps = [entry[0] for entry in self._unlogged]
-        rates = [entry[1] for entry in self._unlogged]
-        losses, norms, tokens = (torch.stack([entry[i] for entry in self._unlogged]).tolist()
-                                 for i in (2, 3, 4))
+        steps, rates, *tensors = zip(*self._unlogged)
+        losses, norms, tokens = (torch.stack(values).tolist() for values in tensors)
         now = time.perf_counter()
         bad = [(step, loss, lr) for step, loss, lr in zip(steps, losses, rates) if not math.isfinite(loss)]
         if bad:
@@ -413,15 +354,16 @@ class Trainer:
     def state_dict(self) -> dict:
         """Everything needed to continue this run exactly, as tensors and plain values.
 
-        Model (without wrapper prefixes), optimizer, scheduler, scaler, ``step``,
-        ``skipped_steps``, ``history``, the steps not yet logged (their losses
-        stay tensors: no sync) with the seconds they took, and the config as a
-        dict. Loads with ``torch.load(..., weights_only=True)``. Like
-        ``nn.Module.state_dict`` it holds the live tensors: save it (or clone
-        it) before training on.
+        The model without wrapper prefixes; the unlogged steps as tensors (no
+        sync) with the seconds they took; the config as a dict. Like
+        ``nn.Module.state_dict`` it holds live tensors: save or clone it before training on.
         """
-        pending = self._unlogged
-        empty = torch.zeros(0, device=self.device)
+        columns = list(zip(*self._unlogged)) or [() for _ in range(5)]
+        pending = {"steps": list(columns[0]), "lr": list(columns[1])}
+        for key, values in zip(("loss", "grad_norm", "target_tokens"), columns[2:]):  # tensors: no sync
+            empty = torch.zeros(0, device=self.device, dtype=torch.int64 if key == "target_tokens" else None)
+            pending[key] = torch.stack(values) if values else empty
+        pending["seconds"] = time.perf_counter() - self._interval_started
         return {
             "model": _inner_module(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -430,58 +372,49 @@ class Trainer:
             "step": self.step,
             "skipped_steps": self.skipped_steps,
             "history": [dict(row) for row in self.history],
-            "pending": {
-                "steps": [entry[0] for entry in pending],
-                "lr": [entry[1] for entry in pending],
-                "loss": torch.stack([entry[2] for entry in pending]) if pending else empty,
-                "grad_norm": torch.stack([entry[3] for entry in pending]) if pending else empty,
-                "target_tokens": torch.stack([entry[4] for entry in pending]) if pending else empty.long(),
-                "seconds": time.perf_counter() - self._interval_started,
-            },
+            "pending": pending,
             "config": dataclasses.asdict(self.config),
         }
 
     def state_dict_problems(self, state: Any) -> list[str]:
         """Every way ``state`` does not fit this trainer, as readable lines; empty when it loads.
 
-        Checks the structure and types of every entry, the model's keys, shapes
-        and dtypes, the optimizer's groups and state shapes, and whether the
-        scaler is on in both, so that ``load_state_dict`` can refuse before
-        changing anything.
+        Checked in full (types, the model's shapes and dtypes, the optimizer's
+        groups) so that ``load_state_dict`` can refuse before changing anything.
         """
         if not isinstance(state, Mapping):
             return [f"trainer state is a {type(state).__name__}, expected a dict"]
         missing = [key for key in STATE_KEYS if key not in state]
         if missing:
             return [f"trainer state has no {', '.join(repr(key) for key in missing)}"]
+        scaler, scaling = state["scaler"], self.scaler.is_enabled()
+        kind = {key: type(state[key]).__name__ for key in STATE_KEYS}
+        checks = [  # (entry, whether it fits, what is wrong when it does not)
+            ("scheduler", self.scheduler is None or isinstance(state["scheduler"], Mapping),
+             f"a {kind['scheduler']}, expected a dict"),
+            ("scaler", isinstance(scaler, Mapping), f"a {kind['scaler']}, expected a dict"),
+            ("scaler", not isinstance(scaler, Mapping) or bool(scaler) == scaling,
+             f"loss scaling (fp16) is {'off' if scaling else 'on'} in the state, {'on' if scaling else 'off'} now"),
+            ("step", _is_count(state["step"]), f"{state['step']!r}, expected an int >= 0"),
+            ("skipped_steps", _is_count(state["skipped_steps"]), f"{state['skipped_steps']!r}, expected an int >= 0"),
+            ("history", isinstance(state["history"], list) and all(isinstance(row, Mapping)
+                                                                    for row in state["history"]),
+             "expected a list of dicts"),
+            ("config", state["config"] is None or isinstance(state["config"], Mapping),
+             f"a {kind['config']}, expected a dict"),
+        ]
         problems = _model_problems(_inner_module(self.model), state["model"])
         problems += _optimizer_problems(self.optimizer, state["optimizer"])
-        if self.scheduler is not None and not isinstance(state["scheduler"], Mapping):
-            problems.append(f"scheduler: a {type(state['scheduler']).__name__}, expected a dict")
-        if not isinstance(state["scaler"], Mapping):
-            problems.append(f"scaler: a {type(state['scaler']).__name__}, expected a dict")
-        elif bool(state["scaler"]) != self.scaler.is_enabled():
-            saved, now = ("on" if on else "off" for on in (bool(state["scaler"]), self.scaler.is_enabled()))
-            problems.append(f"scaler: loss scaling (fp16) is {saved} in the state, {now} now")
-        for key in ("step", "skipped_steps"):
-            if not _is_count(state[key]):
-                problems.append(f"{key}: {state[key]!r}, expected an int >= 0")
-        if not isinstance(state["history"], list) or not all(isinstance(row, Mapping) for row in state["history"]):
-            problems.append("history: expected a list of dicts")
-        if state["config"] is not None and not isinstance(state["config"], Mapping):
-            problems.append(f"config: a {type(state['config']).__name__}, expected a dict")
+        problems += [f"{key}: {message}" for key, fits, message in checks if not fits]
         return problems + _pending_problems(state["pending"])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned; on any problem raise ``ValueError`` and change nothing.
 
-        When this trainer built its own optimizer and schedule and ``config``
-        changed a field they are built from (lr, min_lr, warmup_steps,
-        max_steps, weight_decay, betas), the *new* values apply from the next
-        step: the loaded optimizer's groups and the schedule's base rates are
-        set from the new config, so the rate used (and logged) is
-        ``learning_rate(step, config)``. With an optimizer and scheduler you
-        passed in, their saved states are restored as they are.
+        If this trainer built its own optimizer and ``config`` changed a field in
+        ``OPTIMIZER_FIELDS``, the *new* values apply from the next step, so the
+        rate used (and logged) is ``learning_rate(step, config)``. A passed-in
+        optimizer and scheduler are restored as saved.
         """
         problems = self.state_dict_problems(state)
         if problems:
@@ -499,13 +432,12 @@ class Trainer:
         pending = state["pending"]
         self._unlogged = [
             (step, float(lr), loss.to(self.device), norm.to(self.device), tokens.to(self.device))
-            for step, lr, loss, norm, tokens in zip(pending["steps"], pending["lr"], pending["loss"],
-                                                    pending["grad_norm"], pending["target_tokens"])
+            for step, lr, loss, norm, tokens in zip(*(pending[key] for key in PENDING_KEYS[:5]))
         ]
         self._interval_started = time.perf_counter() - float(pending["seconds"])
-        saved = state["config"] or {}
-        current = dataclasses.asdict(self.config)
-        if self.owns_optimizer and any(_differs(saved.get(key), current[key]) for key in OPTIMIZER_FIELDS):
+        saved, current = state["config"] or {}, dataclasses.asdict(self.config)
+        as_list = lambda value: list(value) if isinstance(value, (list, tuple)) else value  # noqa: E731
+        if self.owns_optimizer and any(as_list(saved.get(key)) != as_list(current[key]) for key in OPTIMIZER_FIELDS):
             self._apply_config_to_optimizer()
 
     def _apply_config_to_optimizer(self) -> None:
@@ -516,8 +448,7 @@ class Trainer:
             group["betas"] = tuple(config.betas)
             group["weight_decay"] = decay
         scheduler.base_lrs = [config.lr for _ in self.optimizer.param_groups]
-        # LambdaLR's own formula (base lr times factor at last_epoch == step), so the rate is
-        # what the schedule's next steps continue from.
+        # LambdaLR's own formula at last_epoch == step, so the schedule's next steps continue from it.
         rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs,
                                                                              scheduler.lr_lambdas)]
         for group, rate in zip(self.optimizer.param_groups, rates):
@@ -546,18 +477,14 @@ class Trainer:
             raise ValueError("Trainer.evaluate: the batches hold no target tokens")
         return (total_loss / total_tokens).item()
 
-    def fit(
-        self,
-        train_batches: Iterator[tuple[Tensor, Tensor]],
-        val_batches: Callable[[], Iterable[tuple[Tensor, Tensor]]] | None = None,
-    ) -> list[dict]:
+    def fit(self, train_batches: Iterator[tuple[Tensor, Tensor]],
+            val_batches: Callable[[], Iterable[tuple[Tensor, Tensor]]] | None = None) -> list[dict]:
         """Train until ``config.max_steps`` steps are done or ``train_batches`` runs out.
 
-        Micro-batches are taken ``accum_steps`` at a time; a shorter group left at
-        the end of the data is still one (correctly normalised) step.
-        ``val_batches()`` is called for fresh validation batches every
-        ``eval_every`` steps and after the last step; its loss is added to that
-        step's history row as ``val_loss``.
+        Micro-batches are taken ``accum_steps`` at a time (a shorter group at the
+        end is still one correctly normalised step). ``val_batches()`` gives fresh
+        batches every ``eval_every`` steps and after the last; the loss goes into
+        that step's row as ``val_loss``.
         """
         train_batches = iter(train_batches)
         while self.step < self.config.max_steps:
@@ -582,12 +509,6 @@ class Trainer:
 
 
 # ----- checks behind Trainer.state_dict_problems -----
-
-
-def _differs(saved: Any, current: Any) -> bool:
-    """True when a saved config value differs from the current one (tuples and lists compare equal)."""
-    as_list = lambda value: list(value) if isinstance(value, (list, tuple)) else value  # noqa: E731
-    return as_list(saved) != as_list(current)
 
 
 def _model_problems(model: nn.Module, saved: Any) -> list[str]:
@@ -634,11 +555,10 @@ def _pending_problems(pending: Any) -> list[str]:
     steps, rates = pending["steps"], pending["lr"]
     if not isinstance(steps, list) or not all(_is_count(step) for step in steps):
         return ["pending['steps']: expected a list of ints"]
-    problems = [] if isinstance(rates, list) and len(rates) == len(steps) and all(
-        isinstance(lr, (int, float)) for lr in rates) else [f"pending['lr']: expected a list of {len(steps)} numbers"]
-    problems += [f"pending[{key!r}]: expected a tensor of shape ({len(steps)},)"
-                 for key in ("loss", "grad_norm", "target_tokens")
-                 if not isinstance(pending[key], Tensor) or pending[key].shape != (len(steps),)]
-    if not isinstance(pending["seconds"], (int, float)):
-        problems.append("pending['seconds']: expected a number")
-    return problems
+    length = len(steps)
+    checks = [("lr", isinstance(rates, list) and len(rates) == length
+               and all(isinstance(lr, (int, float)) for lr in rates), f"a list of {length} numbers")]
+    checks += [(key, isinstance(pending[key], Tensor) and pending[key].shape == (length,),
+                f"a tensor of shape ({length},)") for key in ("loss", "grad_norm", "target_tokens")]
+    checks.append(("seconds", isinstance(pending["seconds"], (int, float)), "a number"))
+    return [f"pending[{key!r}]: expected {expected}" for key, fits, expected in checks if not fits]
