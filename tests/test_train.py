@@ -466,8 +466,11 @@ def test_resume_with_the_same_config_keeps_the_loaded_rate_bit_for_bit(tmp_path)
     (lambda s: s["model"].update({"head.weight": torch.zeros(2, 2)}), r"model\['head.weight'\]"),
     (lambda s: s["pending"].update(steps=[1, 2, 3]), r"pending\['loss'\]"),
     (lambda s: s.update(scaler={"scale": 1.0}), r"scaler: loss scaling \(fp16\) is on"),
+    # torch's scheduler and optimizer would load these and mis-train, or fail a step later:
+    (lambda s: s["scheduler"].pop("last_epoch"), r"scheduler: no \['last_epoch'\]"),
+    (lambda s: s["optimizer"]["param_groups"][0].update(lr="0.1"), r"\['lr'\]: '0.1', expected a number"),
 ], ids=["no-step", "negative-step", "bool-step", "no-optimizer", "missing-key", "wrong-shape",
-        "pending-lengths", "scaler-on"])
+        "pending-lengths", "scaler-on", "schedule-without-last-epoch", "string-learning-rate"])
 def test_a_bad_state_is_refused_and_nothing_changes(damage, message):
     source = Trainer(make_model(seed=1), config(log_every=4), CPU)
     train_steps(source, 0, 2)

@@ -237,50 +237,6 @@ def config_differences(saved: Mapping[str, Any] | None, current: Mapping[str, An
             if as_list(saved.get(key, "<absent>")) != as_list(current.get(key, "<absent>"))]
 
 
-def kind_problems(saved: Any, live: Any, where: str, *, optional: bool = False) -> list[str]:
-    """Where ``saved`` does not have the structure of ``live``: keys, list lengths, kinds of values.
-
-    A number may be an int, a float or a tensor, never a bool or a string.
-    ``None`` matches anything where ``live`` is None, stands for a bool (torch's
-    tri-state flags: ``fused``, ``foreach``), and for anything with ``optional``.
-    """
-    if live is None or (saved is None and (optional or isinstance(live, bool))):
-        return []
-    if isinstance(live, Mapping):
-        if not isinstance(saved, Mapping):
-            return [f"{where}: a {type(saved).__name__}, expected a dict"]
-        missing = [key for key in live if key not in saved]
-        return ([f"{where}: no {missing[:LISTED_KEYS]}"] if missing else []) + [
-            p for key in live if key in saved for p in kind_problems(saved[key], live[key], f"{where}[{key!r}]",
-                                                                     optional=optional)]
-    if isinstance(live, (list, tuple)):
-        if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
-            return [f"{where}: {saved!r:.60}, expected a list of {len(live)}"]
-        return [p for i, (s, v) in enumerate(zip(saved, live)) for p in kind_problems(s, v, f"{where}[{i}]", optional=optional)]
-    number = lambda value: isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool)  # noqa: E731
-    for test, what in ((lambda v: isinstance(v, bool), "a bool"), (number, "a number"), (lambda v: isinstance(v, str), "a string")):
-        if test(live) and not test(saved):
-            return [f"{where}: {saved!r:.60}, expected {what}"]
-    return []
-
-
-def trainer_state_problems(saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:
-    """Hyperparameters, schedule, scaler and config of ``saved`` that do not have the kind ``live``'s have.
-
-    Both are ``Trainer.state_dict()`` results whose structure the trainer has
-    checked. A torch optimizer or scheduler takes any value (a string learning
-    rate, a schedule without ``last_epoch``) and fails only at the next step.
-    """
-    problems = [p for i, (group, now) in enumerate(zip(saved["optimizer"]["param_groups"], live["optimizer"]["param_groups"]))
-                for p in kind_problems(group, now, f"optimizer['param_groups'][{i}]")]
-    problems += [f"optimizer['state'][{index!r}][{name!r}]: {value!r:.40}, expected a tensor or a number"
-                 for index, entries in saved["optimizer"]["state"].items() for name, value in entries.items()
-                 if kind_problems(value, 0.0, "")]
-    problems += kind_problems(saved["scheduler"], live["scheduler"], "scheduler")
-    problems += kind_problems(saved["scaler"], live["scaler"], "scaler")
-    return problems + kind_problems(saved["config"], live["config"], "config", optional=True)
-
-
 # --------------------------------------------------------------------------- random number generators
 
 def _mps_available() -> bool:
@@ -478,7 +434,7 @@ def load_training_checkpoint(path: str | Path, trainer: Any, *, model_config: An
     Everything is checked first, so on any error nothing has changed: the
     file, the model configuration (a different one is refused: the weights
     would not mean the same thing), every RNG state and the trainer's whole
-    state (``trainer.state_dict_problems``, then ``trainer_state_problems``). A
+    state (``trainer.state_dict_problems``). A
     changed training configuration (say a new learning rate) is applied by the
     trainer and listed in ``Resumed.train_config_changes``.
     """
@@ -492,8 +448,7 @@ def load_training_checkpoint(path: str | Path, trainer: Any, *, model_config: An
         problems += rng_state_problems(state["rng"])
     check = getattr(trainer, "state_dict_problems", None)
     if check is not None:
-        trainer_problems = check(state["trainer"])
-        problems += trainer_problems or trainer_state_problems(state["trainer"], trainer.state_dict())
+        problems += check(state["trainer"])
     if problems:
         raise CheckpointError(f"{path}: cannot be restored; nothing was loaded:\n  " + "\n  ".join(problems))
     trainer.load_state_dict(state["trainer"])

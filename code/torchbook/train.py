@@ -50,6 +50,7 @@ IGNORE_INDEX = -100
 
 # The autocast dtype of each precision; "fp32" disables autocast and is listed so every precision has one.
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LISTED_KEYS = 12  # an error lists at most this many missing keys
 # Devices with a fused AdamW kernel (one kernel for all parameters instead of one per operation).
 FUSED_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu")
 # TrainConfig fields the default optimizer and schedule are built from; see Trainer.load_state_dict.
@@ -406,7 +407,10 @@ class Trainer:
         problems = _model_problems(_inner_module(self.model), state["model"])
         problems += _optimizer_problems(self.optimizer, state["optimizer"])
         problems += [f"{key}: {message}" for key, fits, message in checks if not fits]
-        return problems + _pending_problems(state["pending"])
+        problems += _pending_problems(state["pending"])
+        # Torch's optimizer and scheduler load any value (a string learning rate, a schedule
+        # without last_epoch) and fail, or silently mis-train, only later: compare kinds with ours.
+        return problems or _value_kind_problems(state, self.state_dict())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned; on any problem raise ``ValueError`` and change nothing.
@@ -562,3 +566,47 @@ def _pending_problems(pending: Any) -> list[str]:
                 f"a tensor of shape ({length},)") for key in ("loss", "grad_norm", "target_tokens")]
     checks.append(("seconds", isinstance(pending["seconds"], (int, float)), "a number"))
     return [f"pending[{key!r}]: expected {expected}" for key, fits, expected in checks if not fits]
+
+
+def _kind_problems(saved: Any, live: Any, where: str, *, optional: bool = False) -> list[str]:
+    """Where ``saved`` does not have the structure of ``live``: keys, list lengths, kinds of values.
+
+    A number may be an int, a float or a tensor, never a bool or a string.
+    ``None`` matches anything where ``live`` is None, stands for a bool (torch's
+    tri-state flags: ``fused``, ``foreach``), and for anything with ``optional``.
+    """
+    if live is None or (saved is None and (optional or isinstance(live, bool))):
+        return []
+    if isinstance(live, Mapping):
+        if not isinstance(saved, Mapping):
+            return [f"{where}: a {type(saved).__name__}, expected a dict"]
+        missing = [key for key in live if key not in saved]
+        return ([f"{where}: no {missing[:LISTED_KEYS]}"] if missing else []) + [
+            p for key in live if key in saved for p in _kind_problems(saved[key], live[key], f"{where}[{key!r}]",
+                                                                     optional=optional)]
+    if isinstance(live, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
+            return [f"{where}: {saved!r:.60}, expected a list of {len(live)}"]
+        return [p for i, (s, v) in enumerate(zip(saved, live)) for p in _kind_problems(s, v, f"{where}[{i}]", optional=optional)]
+    number = lambda value: isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool)  # noqa: E731
+    for test, what in ((lambda v: isinstance(v, bool), "a bool"), (number, "a number"), (lambda v: isinstance(v, str), "a string")):
+        if test(live) and not test(saved):
+            return [f"{where}: {saved!r:.60}, expected {what}"]
+    return []
+
+
+def _value_kind_problems(saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:
+    """Hyperparameters, schedule, scaler and config of ``saved`` that do not have the kind ``live``'s have.
+
+    Both are ``Trainer.state_dict()`` results whose structure the trainer has
+    checked. A torch optimizer or scheduler takes any value (a string learning
+    rate, a schedule without ``last_epoch``) and fails only at the next step.
+    """
+    problems = [p for i, (group, now) in enumerate(zip(saved["optimizer"]["param_groups"], live["optimizer"]["param_groups"]))
+                for p in _kind_problems(group, now, f"optimizer['param_groups'][{i}]")]
+    problems += [f"optimizer['state'][{index!r}][{name!r}]: {value!r:.40}, expected a tensor or a number"
+                 for index, entries in saved["optimizer"]["state"].items() for name, value in entries.items()
+                 if _kind_problems(value, 0.0, "")]
+    problems += _kind_problems(saved["scheduler"], live["scheduler"], "scheduler")
+    problems += _kind_problems(saved["scaler"], live["scaler"], "scaler")
+    return problems + _kind_problems(saved["config"], live["config"], "config", optional=True)
