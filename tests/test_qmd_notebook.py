@@ -227,3 +227,23 @@ def test_downloaded_chapter_runs_outside_the_repository_in_a_fresh_kernel(tmp_pa
     assert f"derived files: {tmp_path / 'cache'}" in setup_output, setup_output
     ran = [cell for cell in notebook.cells if cell.cell_type == "code" and cell.execution_count]
     assert len(ran) == sum(cell.cell_type == "code" for cell in notebook.cells), "every code cell must run"
+
+
+def test_an_include_shortcode_becomes_the_file_it_names(tmp_path):
+    (tmp_path / "_quarto.yml").write_text("project:\n  type: book\n")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "shown.py").write_text("def shown():\n    return 1\n")
+    chapter = tmp_path / "chapters" / "c.qmd"
+    chapter.parent.mkdir()
+    chapter.write_text('---\ntitle: t\n---\n\n```{.python filename="code/shown.py"}\n'
+                       "{{< include /code/shown.py >}}\n```\n\n```{python}\nx = 1\n```\n")
+    markdown = [cell["source"] for cell in to_notebook(chapter)["cells"] if cell["cell_type"] == "markdown"]
+    assert any("def shown():\n    return 1" in text and "include" not in text for text in markdown)
+
+
+def test_an_include_of_a_missing_file_names_the_chapter_and_line(tmp_path):
+    (tmp_path / "_quarto.yml").write_text("project:\n  type: book\n")
+    chapter = tmp_path / "c.qmd"
+    chapter.write_text("---\ntitle: t\n---\n\n```python\n{{< include /code/gone.py >}}\n```\n")
+    with pytest.raises(QmdError, match=r"c.qmd:5: include of /code/gone.py"):
+        to_notebook(chapter)

@@ -220,6 +220,34 @@ def _not_run_cell(cell: Cell) -> dict:
             "source": f"{NOT_RUN_NOTE}\n\n{fence}python\n{body.strip()}\n{fence}"}
 
 
+INCLUDE = re.compile(r"^\{\{< include (\S+) >\}\}$", re.MULTILINE)
+
+
+def _project_root(path: Path) -> Path:
+    """The folder holding ``_quarto.yml`` above ``path`` (where ``/``-paths of includes start)."""
+    for folder in path.resolve().parents:
+        if (folder / "_quarto.yml").is_file():
+            return folder
+    return path.resolve().parent
+
+
+def _expand_includes(cell: Cell, path: Path) -> str:
+    """Markdown with each ``{{< include FILE >}}`` line replaced by the file, as Quarto renders it.
+
+    A notebook front end knows no shortcodes; a reader would otherwise see the
+    shortcode instead of the code it stands for. A missing file fails here, as
+    it would fail the render.
+    """
+    def included(match: re.Match) -> str:
+        name = match.group(1)
+        target = _project_root(path) / name.lstrip("/") if name.startswith("/") else path.parent / name
+        if not target.is_file():
+            raise QmdError(f"{path}:{cell.line}: include of {name}, and {target} does not exist")
+        return target.read_text(encoding="utf-8").rstrip("\n")
+
+    return INCLUDE.sub(included, cell.source)
+
+
 def to_notebook(path: Path, for_tests: bool = False) -> dict:
     """Build an nbformat-4 notebook (as a dict) from a chapter.
 
@@ -236,7 +264,7 @@ def to_notebook(path: Path, for_tests: bool = False) -> dict:
         metadata: dict = {"qmd_line": cell.line}
         if cell.kind == "markdown":
             notebook_cells.append(
-                {"cell_type": "markdown", "metadata": metadata, "source": cell.source}
+                {"cell_type": "markdown", "metadata": metadata, "source": _expand_includes(cell, path)}
             )
             inline = _inline_value_cell(cell) if for_tests else None
             if inline is not None:
