@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from torchbook import checkpoint as ckpt
 from torchbook.checkpoint import CheckpointError
@@ -20,6 +19,8 @@ from torchbook.files import is_temporary
 from torchbook.models import GPT, GPTConfig, TinyMLP
 from torchbook.train import TrainConfig, Trainer
 from torchbook.weights import save_safetensors
+
+from tests.tensor_checks import assert_same_tensors, snapshot
 
 TINY_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.1)
 
@@ -32,16 +33,6 @@ def fresh_mlp(seed: int) -> TinyMLP:
 def fresh_gpt(seed: int, config: GPTConfig = TINY_GPT) -> GPT:
     torch.manual_seed(seed)
     return GPT(config)
-
-
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-
-
-def assert_same_tensors(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> None:
-    assert left.keys() == right.keys()
-    for name in left:
-        assert torch.equal(left[name], right[name]), f"{name} differs"
 
 
 @dataclass

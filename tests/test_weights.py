@@ -15,6 +15,8 @@ from torchbook import weights
 from torchbook.models import GPT, GPTConfig, TinyMLP, rope_tables
 from torchbook.weights import WeightsError
 
+from tests.tensor_checks import assert_same_tensors, snapshot
+
 TINY_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32)
 TIED = ("token_embedding.weight", "lm_head.weight")  # dropped name, kept name (first in sorted order)
 
@@ -22,16 +24,6 @@ TIED = ("token_embedding.weight", "lm_head.weight")  # dropped name, kept name (
 def fresh_gpt(seed: int, config: GPTConfig = TINY_GPT) -> GPT:
     torch.manual_seed(seed)
     return GPT(config)
-
-
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-
-
-def assert_same_tensors(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> None:
-    assert left.keys() == right.keys()
-    for name in left:
-        assert torch.equal(left[name], right[name]), f"{name} differs"
 
 
 def gpt_buffers(model: GPT) -> None:
