@@ -18,8 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchbook.data import StreamConfig, TokenStream, write_shards
-from torchbook.distributed import (LaunchError, backend_for, launch, local_bytes, mean_over_ranks, rank_slice,
-                                   torchrun_command)
+from torchbook.distributed import (LaunchError, backend_for, launch, launch_torchrun, local_bytes, mean_over_ranks,
+                                   rank_slice, torchrun_command)
 from torchbook.models import GPT, GPTConfig
 from torchbook.train import IGNORE_INDEX, TrainConfig, Trainer
 
@@ -58,9 +58,9 @@ def two_rank_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("parallel")
     data = global_batches()
     torch.save(data, folder / "batches.pt")
-    command = torchrun_command(ROOT / "examples" / "parallel_checks.py",
-                               ["--batches", folder / "batches.pt", "--out", folder])
-    launch(command, timeout_s=JOB_TIMEOUT_S, cwd=ROOT)
+    # attempts=2: a gloo rank on shared cores can abort before writing anything (a rerun starts afresh).
+    launch_torchrun(ROOT / "examples" / "parallel_checks.py", ["--batches", folder / "batches.pt", "--out", folder],
+                    attempts=2, timeout_s=JOB_TIMEOUT_S, cwd=ROOT)
     return folder, data
 
 
@@ -205,3 +205,24 @@ def test_a_failing_rank_ends_the_whole_job_with_its_error(tmp_path):
     leftover = [cmdline.parent.name for cmdline in Path("/proc").glob("[0-9]*/cmdline")
                 if _reads(cmdline, str(script))]
     assert not leftover, f"workers {leftover} outlived the failed job"
+
+
+def test_launch_torchrun_reruns_a_failed_job_and_says_so(tmp_path):
+    script = tmp_path / "fails_once.py"
+    marker = tmp_path / "ran"
+    script.write_text(
+        "import os, pathlib, sys\n"
+        f"marker = pathlib.Path({str(marker)!r})\n"
+        "if os.environ['RANK'] == '0' and not marker.exists():\n"
+        "    marker.write_text('once')\n"
+        "    sys.exit(3)\n"
+        "print('rank', os.environ['RANK'], 'done', flush=True)\n")
+    output = launch_torchrun(script, nproc=1, attempts=2, timeout_s=120)
+    assert output.startswith("attempt 1 of 2 failed, rerunning") and "rank 0 done" in output
+
+
+def test_launch_torchrun_with_one_attempt_raises_the_first_failure(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(LaunchError, match="exited with code"):
+        launch_torchrun(script, nproc=1, attempts=1, timeout_s=120)

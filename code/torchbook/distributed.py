@@ -209,6 +209,30 @@ def launch(command: Sequence[str], timeout_s: float = LAUNCH_TIMEOUT_S, cwd: str
     return output
 
 
+def launch_torchrun(script: str | Path, args: Sequence[str] = (), nproc: int = 2, attempts: int = 1,
+                    timeout_s: float = LAUNCH_TIMEOUT_S, cwd: str | Path | None = None) -> str:
+    """Launch ``script`` on ``nproc`` local ranks; rerun it, on a fresh port, up to ``attempts`` times in all.
+
+    Rarely, a gloo job on CPU cores that other work shares loses a rank to an
+    abort (SIGABRT) before any result is written. A rerun starts from scratch,
+    so it cannot mix two attempts' results; the output returned starts with one
+    line per failed attempt, so a retry is never silent. A timeout is not retried.
+    """
+    if attempts < 1:
+        raise ValueError(f"launch_torchrun: attempts must be >= 1, got {attempts}")
+    failures = []
+    for attempt in range(1, attempts + 1):
+        try:
+            output = launch(torchrun_command(script, args, nproc=nproc), timeout_s=timeout_s, cwd=cwd)
+            return "".join(failures) + output
+        except LaunchError as error:
+            if attempt == attempts or "ran past" in str(error):
+                raise
+            last_lines = "\n    ".join(str(error).splitlines()[-12:])
+            failures.append(f"attempt {attempt} of {attempts} failed, rerunning; its last lines:\n    {last_lines}\n")
+    raise AssertionError("unreachable")
+
+
 def _kill_group(process: subprocess.Popen) -> None:
     try:
         os.killpg(process.pid, signal.SIGKILL)  # the session started with the process: its id is the pid
