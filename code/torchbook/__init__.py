@@ -39,7 +39,8 @@ Chapters 6-7 and the results of full-size runs:
   ``torchrun`` jobs that always end.
 - ``mnist``: MNIST read from its verified raw IDX files, as a dataset of PIL images and as resident tensors.
 - ``lab``: the lab's MLP and seven drills, as functions and as a script (builds on
-  ``mnist`` and ``train``); ``drills``: the exercise notebook's checkers.
+  ``mnist``, ``train``, ``cache`` and ``results``); ``drills``: the exercise notebook's checkers,
+  independent of ``lab`` on purpose: they recompute from your objects, not from the lab's code.
 - ``results``: results of full-size runs as JSON with provenance, and their staleness.
 
 Scripts a chapter launches (the kill-and-resume run, the ``torchrun`` job,
