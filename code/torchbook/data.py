@@ -1,39 +1,36 @@
 """The token pipeline: token ids on disk as shards, streamed back as ``(x, y)`` batches.
 
-1. ``TokenDataset``: the map-style dataset most tutorials write (item ``i`` is
-   the block starting at ``i * block_size`` of a Python list). Correct and
-   slow: every token passes through the Python interpreter on every read.
-2. Shards: ``write_shard`` stores ids as a flat ``.bin`` (uint16 when the
-   vocabulary fits, else uint32) with a JSON sidecar; ``open_shard``
-   validates the pair and maps the file with ``np.memmap``. ``cached_shards``
-   trusts a folder only when its index and every shard validate.
-3. ``TokenStream``: an ``IterableDataset`` of whole batches. Each shard is
-   viewed, without copying, as a table whose rows are its blocks, so a batch
-   is one gather of rows per shard it touches. Use it with
-   ``DataLoader(stream, batch_size=None)``.
+1. ``TokenDataset``: the map-style dataset most tutorials write (item ``i`` is the block starting
+   at ``i * block_size`` of a Python list). Correct and slow: every token passes through the
+   Python interpreter on every read.
+2. Shards: ``write_shard`` stores ids as a flat ``.bin`` (uint16 when the vocabulary fits, else
+   uint32) with a JSON sidecar; ``open_shard`` validates the pair and maps the file with
+   ``np.memmap``. ``cached_shards`` trusts a folder only when its index and every shard validate.
+3. ``TokenStream``: an ``IterableDataset`` of whole batches. Each shard is viewed, without
+   copying, as a table whose rows are its blocks, so a batch is one gather of rows per shard it
+   touches. Use it with ``DataLoader(stream, batch_size=None)``.
 
-How the stream divides the work: a *block* is ``block_size + 1`` tokens
-starting at a multiple of ``block_size`` inside one shard. Each epoch orders
-all blocks (a permutation seeded by ``(seed, epoch)``, the same on every
-process, or file order), cuts the order into global batches, deals global
-batch ``g`` to rank ``g % world_size`` and the rank's ``k``-th batch to
-DataLoader worker ``k % num_workers``; the DataLoader collects round robin, so
-the loop sees the same order for any number of workers. Every rank must take
-the same number of steps or DDP hangs, so an epoch uses the largest multiple
-of ``world_size * batch_size`` blocks and reports the rest
+How the stream divides the work: a *block* is ``block_size + 1`` tokens starting at a multiple of
+``block_size`` inside one shard. Each epoch orders all blocks (a permutation seeded by
+``(seed, epoch)``, the same on every process, or file order), cuts the order into global batches,
+deals global batch ``g`` to rank ``g % world_size`` and the rank's ``k``-th batch to DataLoader
+worker ``k % num_workers``; the DataLoader collects round robin, so the loop sees the same order
+for any number of workers. Every rank must take the same number of steps or DDP hangs, so an
+epoch uses the largest multiple of ``world_size * batch_size`` blocks and reports the rest
 (``dropped_blocks_per_epoch``).
 
-Resuming: workers prefetch, so only the training loop knows how many batches
-it consumed. It passes that count to ``state_dict(batches_consumed)``; a
-fresh stream given ``load_state_dict(state)`` starts at the next batch.
+Resuming: workers prefetch, so only the training loop knows how many batches it consumed. It
+passes that count to ``state_dict(batches_consumed)``; a fresh stream given
+``load_state_dict(state)`` starts at the next batch.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
+from itertools import pairwise
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -52,15 +49,11 @@ class ShardError(ValueError):
 
 
 # ------------------------------------------------------------ 1. The tutorial version
-
-
 class TokenDataset(Dataset):
     """Map-style dataset over a Python list of token ids: item ``i`` is the block starting at ``i * block_size``.
 
-    The version most tutorials write, kept to be measured: ``x`` is
-    ``tokens[start:start+T]`` and ``y`` the same slice one token later, blocks
-    do not overlap, and each item copies ``2 * block_size`` Python ints into
-    two new tensors, one by one. Its blocks are exactly ``TokenStream``'s over
+    The version most tutorials write, kept to be measured: each item copies ``2 * block_size``
+    Python ints into two new tensors, one by one. Its blocks are exactly ``TokenStream``'s over
     one shard in file order.
     """
 
@@ -75,15 +68,11 @@ class TokenDataset(Dataset):
         return (len(self.tokens) - 1) // self.block_size
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = i * self.block_size
-        x = torch.tensor(self.tokens[start : start + self.block_size])
-        y = torch.tensor(self.tokens[start + 1 : start + self.block_size + 1])
-        return x, y
+        start, end = i * self.block_size, (i + 1) * self.block_size
+        return torch.tensor(self.tokens[start:end]), torch.tensor(self.tokens[start + 1 : end + 1])
 
 
 # ------------------------------------------------------------ 2. Shards on disk
-
-
 @dataclass(frozen=True)
 class ShardHeader:
     """What the sidecar ``<shard>.json`` says about ``<shard>.bin``."""
@@ -111,10 +100,9 @@ def sidecar_path(shard: Path | str) -> Path:
 def write_shard(path: Path | str, tokens: np.ndarray | Sequence[int], vocab_size: int, tokenizer: str) -> Path:
     """Write token ids to ``path`` (a ``.bin`` file) and its sidecar; return the path.
 
-    Every argument and id is checked before anything is written. The old
-    sidecar is removed first, then the ``.bin`` and the new sidecar are each
-    written with ``atomic_write``, the sidecar last: a crash at any moment
-    leaves no sidecar or one that describes the ``.bin`` beside it, never a stale one.
+    Every argument and id is checked before anything is written. The old sidecar is removed
+    first, then the ``.bin`` and the new sidecar are each written with ``atomic_write``, the
+    sidecar last: a crash leaves no sidecar or one that describes the ``.bin``, never a stale one.
     """
     path, ids = Path(path), np.asarray(tokens)
     for wrong, message in (
@@ -129,8 +117,7 @@ def write_shard(path: Path | str, tokens: np.ndarray | Sequence[int], vocab_size
         dtype = token_dtype(vocab_size)
     except ShardError as error:
         raise ShardError(f"{path}: {error}; nothing was written") from None
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= vocab_size:
+    if ids.min() < 0 or ids.max() >= vocab_size:
         bad = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
         raise ShardError(f"{path}: token id {int(ids[bad])} at position {bad:,} is outside the vocabulary "
                          f"[0, {vocab_size}); nothing was written")
@@ -170,17 +157,13 @@ def write_shards(tokens: np.ndarray | Sequence[int], folder: Path | str, vocab_s
 def read_shards(folder: Path | str, prefix: str = "shard") -> list[Path]:
     """The shards listed by ``folder``'s index, after validating the index and every shard against it."""
     index = index_path(folder, prefix)
-    entry = _read_json(index, "a shard index written by write_shards")
-    if not isinstance(entry, dict):
-        raise ShardError(f"{index}: holds a JSON {type(entry).__name__}; expected an object")
+    entry = _read_fields(index, "a shard index written by write_shards",
+                         {"num_tokens": int, "vocab_size": int, "tokenizer": str})
     names = entry.get("shards")
     if not isinstance(names, list) or not names or not all(
             isinstance(name, str) and Path(name).name == name and name.endswith(".bin") for name in names):
         raise ShardError(f"{index}: field 'shards' is {names!r:.80}; expected a non-empty list of .bin file "
                          "names in the index's folder")
-    for name, kind in (("num_tokens", int), ("vocab_size", int), ("tokenizer", str)):
-        if not isinstance(entry.get(name), kind) or isinstance(entry.get(name), bool):
-            raise ShardError(f"{index}: field {name!r} is {entry.get(name)!r}; expected {kind.__name__}")
     paths = [Path(folder) / name for name in names]
     headers = [read_header(p) for p in paths]
     total = sum(h.num_tokens for h in headers)
@@ -196,17 +179,16 @@ def cached_shards(folder: Path | str, make_tokens: Callable[[], np.ndarray], voc
                   tokens_per_shard: int, prefix: str = "shard") -> list[Path]:
     """The shards in ``folder`` if they are complete and made by this tokenizer; otherwise rebuild them.
 
-    A derived cache is trusted only after ``read_shards`` has validated the
-    index and every shard, never because one file exists: a run killed
-    mid-write leaves a folder this rebuilds instead of failing on forever. A
-    cache cut at another ``tokens_per_shard`` is rebuilt too (the cut decides
-    which blocks exist). ``make_tokens()`` is called only to rebuild, after
-    every ``<prefix>_*`` file in ``folder`` is deleted.
+    A derived cache is trusted only after ``read_shards`` has validated the index and every
+    shard, never because one file exists: a run killed mid-write leaves a folder this rebuilds
+    instead of failing on forever. A cache cut at another ``tokens_per_shard`` is rebuilt too (the
+    cut decides which blocks exist). ``make_tokens()`` is called only to rebuild, after every
+    ``<prefix>_*`` file in ``folder`` is deleted.
     """
     try:
         paths = read_shards(folder, prefix)
         headers = [read_header(path) for path in paths]
-        counts = [header.num_tokens for header in headers]
+        counts = [h.num_tokens for h in headers]
         if all((h.vocab_size, h.tokenizer) == (vocab_size, tokenizer) for h in headers) \
                 and set(counts[:-1]) <= {tokens_per_shard} and counts[-1] <= tokens_per_shard:
             return paths
@@ -217,19 +199,27 @@ def cached_shards(folder: Path | str, make_tokens: Callable[[], np.ndarray], voc
     return write_shards(make_tokens(), folder, vocab_size, tokenizer, tokens_per_shard, prefix)
 
 
-def _read_json(path: Path, expected: str) -> object:
-    """Parse a small JSON file, turning every way it can be wrong into a ShardError that names it."""
+def _read_fields(path: Path, expected: str, types: dict[str, type]) -> dict:
+    """Parse a JSON object whose fields must have ``types`` (a bool is not an int); every error names ``path``."""
     if not path.is_file():
         raise ShardError(f"{path}: missing; expected {expected}")
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        entry = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as error:
         raise ShardError(f"{path}: not UTF-8 text ({error}); expected {expected}") from error
     except json.JSONDecodeError as error:
         raise ShardError(f"{path}: not JSON ({error}); expected {expected}") from error
+    if not isinstance(entry, dict):
+        raise ShardError(f"{path}: holds a JSON {type(entry).__name__}; expected an object, {expected}")
+    for name, kind in types.items():
+        value = entry.get(name)
+        if name not in entry or not isinstance(value, kind) or isinstance(value, bool):
+            found = "missing" if name not in entry else f"{value!r} ({type(value).__name__})"
+            raise ShardError(f"{path}: field {name!r} is {found}; expected {kind.__name__}")
+    return entry
 
 
-# The sidecar's fields and the Python type each must have (bool is refused where an int is expected).
+# The sidecar's fields and the Python type each must have.
 _HEADER_TYPES = {field.name: {"str": str, "int": int}[field.type] for field in fields(ShardHeader)}
 
 
@@ -241,17 +231,10 @@ def read_header(path: Path | str) -> ShardHeader:
         raise ShardError(f"{path}: shard file is missing (expected a .bin written by write_shard)")
     if not meta.is_file():
         raise ShardError(f"{meta}: sidecar is missing; without it {path.name} has no known dtype or length")
-    entry = _read_json(meta, "a shard sidecar written by write_shard")
-    if not isinstance(entry, dict):
-        raise ShardError(f"{meta}: holds a JSON {type(entry).__name__}; expected an object with the fields of ShardHeader")
+    entry = _read_fields(meta, "a shard sidecar written by write_shard", _HEADER_TYPES)
     unknown = sorted(set(entry) - set(_HEADER_TYPES))
     if unknown:
         raise ShardError(f"{meta}: unknown field(s) {unknown}; expected only {sorted(_HEADER_TYPES)}")
-    for name, kind in _HEADER_TYPES.items():
-        value = entry.get(name)
-        if name not in entry or not isinstance(value, kind) or isinstance(value, bool):
-            found = "missing" if name not in entry else f"{value!r} ({type(value).__name__})"
-            raise ShardError(f"{meta}: field {name!r} is {found}; expected {kind.__name__}")
     header = ShardHeader(**entry)
     for wrong, message in (
         ((header.format, header.version) != (SHARD_FORMAT, SHARD_VERSION),
@@ -262,9 +245,10 @@ def read_header(path: Path | str) -> ShardHeader:
     ):
         if wrong:
             raise ShardError(f"{meta}: {message}")
-    if header.dtype != token_dtype(header.vocab_size).name:
+    stored = token_dtype(header.vocab_size).name
+    if header.dtype != stored:
         raise ShardError(f"{meta}: dtype {header.dtype} disagrees with vocab_size {header.vocab_size:,}, "
-                         f"which write_shard stores as {token_dtype(header.vocab_size).name}")
+                         f"which write_shard stores as {stored}")
     expected_bytes, actual_bytes = header.num_tokens * np.dtype(header.dtype).itemsize, path.stat().st_size
     if actual_bytes != expected_bytes:
         other = "uint32" if header.dtype == "uint16" else "uint16"
@@ -278,23 +262,19 @@ def read_header(path: Path | str) -> ShardHeader:
 def open_shard(path: Path | str, check_ids: bool = False) -> np.memmap:
     """Validate shard ``path`` and map it read-only as a 1-D array of token ids.
 
-    ``check_ids=True`` also reads the whole shard once to confirm every id is
-    below the vocabulary size (write_shard already checked when it wrote).
+    ``check_ids=True`` also reads the whole shard once to confirm every id is below the
+    vocabulary size (write_shard already checked when it wrote).
     """
     header = read_header(path)
     tokens = np.memmap(path, dtype=header.dtype, mode="r", shape=(header.num_tokens,))
-    if check_ids:
-        high = int(tokens.max())
-        if high >= header.vocab_size:
-            position = int(np.argmax(tokens >= header.vocab_size))
-            raise ShardError(f"{path}: token id {high} (first bad one at position {position:,}) is outside "
-                             f"the vocabulary [0, {header.vocab_size}) that its sidecar declares")
+    if check_ids and tokens.max() >= header.vocab_size:
+        position = int(np.argmax(tokens >= header.vocab_size))
+        raise ShardError(f"{path}: token id {int(tokens.max())} (first bad one at position {position:,}) is outside "
+                         f"the vocabulary [0, {header.vocab_size}) that its sidecar declares")
     return tokens
 
 
 # ------------------------------------------------------------ 3. Streaming batches from shards
-
-
 @dataclass(frozen=True)
 class StreamConfig:
     """How ``TokenStream`` cuts, orders and divides the blocks."""
@@ -315,10 +295,9 @@ _POSITION_KEYS = ("block_size", "batch_size", "shuffle", "seed", "world_size", "
 class TokenStream(IterableDataset):
     """Yield ``(x, y)`` int64 batches of shape ``(batch_size, block_size)`` from token shards.
 
-    ``y`` is ``x`` shifted by one token. Use with ``DataLoader(stream,
-    batch_size=None, num_workers=...)``; every worker and every rank reads
-    disjoint batches (see the module docstring). Shards are validated here,
-    in the constructor, and mapped lazily in each worker.
+    ``y`` is ``x`` shifted by one token. Use with ``DataLoader(stream, batch_size=None,
+    num_workers=...)``; every worker and every rank reads disjoint batches (see the module
+    docstring). Shards are validated in the constructor and mapped lazily in each worker.
     """
 
     def __init__(self, shards: Sequence[Path | str], config: StreamConfig) -> None:
@@ -336,14 +315,13 @@ class TokenStream(IterableDataset):
                                  f"{self.paths[0].name} has {headers[0].tokenizer!r} with {headers[0].vocab_size:,}; "
                                  f"one stream must hold ids of one tokenizer")
         counts = np.array([h.num_tokens for h in headers], dtype=np.int64)
-        block = config.block_size
+        block, names = config.block_size, ", ".join(map(str, self.paths))
         # A block needs block_size + 1 tokens; consecutive blocks share one token.
-        blocks_per_shard = np.maximum((counts - 1) // block, 0)
+        blocks_per_shard = self.blocks_per_shard = np.maximum((counts - 1) // block, 0)
         self.num_blocks = int(blocks_per_shard.sum())
         if self.num_blocks == 0:
-            raise ShardError(f"{', '.join(map(str, self.paths))}: block_size={block} needs at least {block + 1} tokens "
+            raise ShardError(f"{names}: block_size={block} needs at least {block + 1} tokens "
                              f"in one shard, but the longest has {int(counts.max()):,}")
-        self.blocks_per_shard = blocks_per_shard
         self.block_shard = np.repeat(np.arange(len(self.paths), dtype=np.int32), blocks_per_shard)
         self.block_start = np.concatenate([np.arange(n, dtype=np.int64) * block for n in blocks_per_shard])
         # Tokens after each shard's last full block (a whole shard, if it is too short) are in no x or y.
@@ -352,8 +330,8 @@ class TokenStream(IterableDataset):
         per_step = config.world_size * config.batch_size
         self.batches_per_epoch = self.num_blocks // per_step  # on each rank
         if self.batches_per_epoch == 0:
-            raise ShardError(f"{', '.join(map(str, self.paths))}: {self.num_blocks:,} blocks of {block} tokens are fewer than "
-                             f"one step of {config.world_size} rank(s) x {config.batch_size} blocks")
+            raise ShardError(f"{names}: {self.num_blocks:,} blocks of {block} tokens are fewer than one step "
+                             f"of {config.world_size} rank(s) x {config.batch_size} blocks")
         self.dropped_blocks_per_epoch = self.num_blocks - self.batches_per_epoch * per_step
         self.start_batch = 0  # position to resume from, in batches this rank has consumed
         self._blocks: list[np.ndarray] | None = None  # each shard viewed as blocks, made lazily once per process
@@ -362,19 +340,19 @@ class TokenStream(IterableDataset):
     def state_dict(self, batches_consumed: int) -> dict:
         """The position after the training loop has consumed ``batches_consumed`` batches in total.
 
-        Count from the very start of training (not from the last resume). The
-        configuration is saved too: a stream that would order batches
-        differently refuses the position instead of skipping data.
+        Count from the very start of training (not from the last resume). The configuration is
+        saved too: a stream that would order batches differently refuses the position rather than skip data.
         """
         if batches_consumed < 0:
             raise ValueError(f"batches_consumed={batches_consumed}: expected a count >= 0")
-        state = {key: getattr(self.config, key) for key in _POSITION_KEYS}
-        state.update(batches_consumed=int(batches_consumed), num_blocks=self.num_blocks)
-        return state
+        return self._layout() | {"batches_consumed": int(batches_consumed)}
+
+    def _layout(self) -> dict:
+        return {key: getattr(self.config, key) for key in _POSITION_KEYS} | {"num_blocks": self.num_blocks}
 
     def load_state_dict(self, state: dict) -> None:
         """Start the next iteration at the batch after the ``batches_consumed`` saved in ``state``."""
-        expected = {key: getattr(self.config, key) for key in _POSITION_KEYS} | {"num_blocks": self.num_blocks}
+        expected = self._layout()
         missing = sorted({*expected, "batches_consumed"} - set(state)) if isinstance(state, dict) else ["everything"]
         if missing:
             raise ValueError(f"stream state lacks {missing}; expected a dict from TokenStream.state_dict")
@@ -425,17 +403,14 @@ class TokenStream(IterableDataset):
     def _block_views(self) -> list[np.ndarray]:
         """Each shard's memmap viewed, read-only, as a table whose row ``i`` is the block starting at ``i * block_size``.
 
-        Nothing is copied (consecutive rows share one token of the file), and a
-        batch becomes a gather of whole rows, ``block_size + 1`` contiguous
-        tokens each, instead of an index per token.
+        Nothing is copied (consecutive rows share one token); a batch is a gather of whole rows.
         """
         block = self.config.block_size
         views = []
         for path, rows in zip(self.paths, self.blocks_per_shard):
             tokens = open_shard(path)
-            views.append(np.lib.stride_tricks.as_strided(tokens, shape=(int(rows), block + 1), subok=False,
-                                                         strides=(block * tokens.itemsize, tokens.itemsize),
-                                                         writeable=False))
+            views.append(np.lib.stride_tricks.as_strided(tokens, shape=(int(rows), block + 1), writeable=False,
+                                                         strides=(block * tokens.itemsize, tokens.itemsize)))
         return views
 
     def _gather(self, block_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -449,7 +424,7 @@ class TokenStream(IterableDataset):
         else:
             rows = np.empty((len(block_ids), self.config.block_size + 1), dtype=self._blocks[0].dtype)
             cuts = [0, *(np.flatnonzero(np.diff(shard_of)) + 1), len(block_ids)]  # where the shard changes
-            for first, end in zip(cuts[:-1], cuts[1:]):
+            for first, end in pairwise(cuts):
                 rows[first:end] = self._blocks[shard_of[first]][row_of[first:end]]
         # astype copies, so x and y come out contiguous (y.view(-1) works) and writable.
         return torch.from_numpy(rows[:, :-1].astype(np.int64)), torch.from_numpy(rows[:, 1:].astype(np.int64))
