@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from torchbook.models import GPT, GPTConfig, TinyMLP
-from torchbook.train import Trainer, TrainConfig, build_optimizer
+from torchbook.optim import build_optimizer
+from torchbook.train import Trainer, TrainConfig
 
 # Large enough that one step takes tens of milliseconds on 2 CPU cores, so
 # timer resolution and Python noise are small against it.

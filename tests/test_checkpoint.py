@@ -310,7 +310,7 @@ def test_optimizer_of_another_shape_is_refused_before_the_model_changes(tmp_path
     one_group = torch.optim.AdamW(model.parameters())
     target = Trainer(model, TrainConfig(precision="fp16"), torch.device("cpu"), optimizer=one_group)
     before = snapshot(model)
-    with pytest.raises(CheckpointError, match=r"optimizer: groups of \[\d+, \d+\] parameters in the state, \[\d+\] now"):
+    with pytest.raises(CheckpointError, match=r"optimizer\['param_groups'\]: a list of 2, expected a list of 1"):
         ckpt.load_training_checkpoint(path, target)
     assert_same_tensors(snapshot(model), before)
 
@@ -349,11 +349,11 @@ DAMAGES = {
     "optimizer-lr-a-string": (lambda s: s["trainer"]["optimizer"]["param_groups"][0].update(lr="x"),
                               r"optimizer\['param_groups'\]\[0\]\['lr'\]: 'x', expected a number"),
     "optimizer-step-a-string": (lambda s: s["trainer"]["optimizer"]["state"].update({0: {"step": "x"}}),
-                                r"optimizer\['state'\]\[0\]\['step'\]: 'x', expected a tensor or a number"),
+                                r"optimizer\['state'\]\[0\]\['step'\]: 'x', expected a number or a tensor of shape \(64, 32\)"),
     "schedule-without-last-epoch": (lambda s: s["trainer"]["scheduler"].pop("last_epoch"),
-                                    r"scheduler: no \['last_epoch'\]"),
+                                    r"scheduler: 1 missing keys: \['last_epoch'\]"),
     "schedule-base-lrs-too-short": (lambda s: s["trainer"]["scheduler"].update(base_lrs=[1.0]),
-                                    r"scheduler\['base_lrs'\]: \[1.0\], expected a list of 2"),
+                                    r"scheduler\['base_lrs'\]: a list of 1, expected a list of 2"),
     "config-lr-a-string": (lambda s: s["trainer"]["config"].update(lr="x"), r"config\['lr'\]: 'x', expected a number"),
 }
 

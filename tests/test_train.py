@@ -10,15 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchbook.train import (
-    IGNORE_INDEX,
-    NonFiniteLossError,
-    StepResult,
-    Trainer,
-    TrainConfig,
-    build_optimizer,
-    learning_rate,
-)
+from torchbook.optim import build_optimizer, learning_rate
+from torchbook.train import IGNORE_INDEX, NonFiniteLossError, StepResult, Trainer, TrainConfig
 
 CPU = torch.device("cpu")
 VOCAB, WIDTH, BLOCK = 11, 16, 6
@@ -467,7 +460,7 @@ def test_resume_with_the_same_config_keeps_the_loaded_rate_bit_for_bit(tmp_path)
     (lambda s: s["pending"].update(steps=[1, 2, 3]), r"pending\['loss'\]"),
     (lambda s: s.update(scaler={"scale": 1.0}), r"scaler: loss scaling \(fp16\) is on"),
     # torch's scheduler and optimizer would load these and mis-train, or fail a step later:
-    (lambda s: s["scheduler"].pop("last_epoch"), r"scheduler: no \['last_epoch'\]"),
+    (lambda s: s["scheduler"].pop("last_epoch"), r"scheduler: 1 missing keys: \['last_epoch'\]"),
     (lambda s: s["optimizer"]["param_groups"][0].update(lr="0.1"), r"\['lr'\]: '0.1', expected a number"),
 ], ids=["no-step", "negative-step", "bool-step", "no-optimizer", "missing-key", "wrong-shape",
         "pending-lengths", "scaler-on", "schedule-without-last-epoch", "string-learning-rate"])

@@ -16,9 +16,12 @@ Chapters 1-5:
   names the folder for derived files.
 - ``models``: the small GPT (pre-norm, RoPE, SDPA, tied head), the tutorial TinyMLP,
   parameter counting, ``check_token_ids``.
+- ``optim``: the book's AdamW (decay and no-decay groups, fused where it can be), the
+  warmup + cosine schedule, a changed config applied on resume, and the checks of a saved
+  optimizer state that torch would load without complaint.
 - ``train``: the training loop (autocast, fp32 loss, token-normalised accumulation, scaler,
-  clipping, warmup + cosine), ``StepResult``, ``build_optimizer``, the ``Trainer``'s
-  ``state_dict``/``load_state_dict``, and the gradient arithmetic of DDP and FSDP2.
+  clipping), ``StepResult``, the ``Trainer``'s ``state_dict``/``load_state_dict``, and the
+  gradient arithmetic of DDP and FSDP2 (builds on ``optim``).
 - ``charlm``: chapter 3's character-level language model on Tiny Shakespeare as one
   experiment (builds on ``models`` and ``train``).
 - ``plotting``: loss curves and training diagnostics from a history.
@@ -39,7 +42,7 @@ Chapters 6-7 and the results of full-size runs:
   ``torchrun`` jobs that always end.
 - ``mnist``: MNIST read from its verified raw IDX files, as a dataset of PIL images and as resident tensors.
 - ``lab``: the lab's MLP and seven drills, as functions and as a script (builds on
-  ``mnist``, ``train``, ``cache`` and ``results``); ``drills``: the exercise notebook's checkers,
+  ``mnist``, ``optim``, ``train``, ``cache`` and ``results``); ``drills``: the exercise notebook's checkers,
   independent of ``lab`` on purpose: they recompute from your objects, not from the lab's code.
 - ``results``: results of full-size runs as JSON with provenance, and their staleness.
 

@@ -10,6 +10,8 @@ batches are random windows of ``block_size + 1`` characters drawn from a
 seeded generator (the input is the first ``block_size``, the target the same
 window shifted by one); validation uses fixed windows from its own seed, so
 every evaluation scores the same text.
+
+It builds on ``torchbook.models`` (the GPT) and ``torchbook.train`` (the ``Trainer``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ renders a Jinja template stored in ``tokenizer.chat_template`` (which
 ``save_pretrained`` writes as ``chat_template.jinja`` in transformers 5). ``hf_tokenizer`` wraps a ``tokenizers.Tokenizer``
 trained by ``torchbook.tokenizer`` and gives it a template built from the same
 ``ChatTemplate`` strings that ``torchbook.chat.render_chat`` uses, so both
-produce the same text for the same messages.
+produce the same text for the same messages. It builds on
+``torchbook.tokenizer`` and ``torchbook.chat``.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ produce the results the book plots.
 Every run starts from ``torch.manual_seed(seed)`` for the weights and its own
 ``torch.Generator`` for the data order, so two runs that should see the same
 batches in the same order do.
+
+It builds on ``torchbook.mnist`` (the data), ``torchbook.optim`` and
+``torchbook.train`` (optimizers, schedule, config), ``torchbook.cache`` (where
+MNIST is) and ``torchbook.results`` (the results file).
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from torch import Tensor, nn
 from torchbook.cache import mnist_root, repository_root
 from torchbook.files import atomic_write
 from torchbook.mnist import resident_batches, resident_mnist
+from torchbook.optim import build_optimizer, build_schedule
 from torchbook.profile import LabSizes, Profile, make_profile
 from torchbook.results import make_provenance, write_result
-from torchbook.train import TrainConfig, build_optimizer, build_schedule
+from torchbook.train import TrainConfig
 
 SAFETENSORS_HEADER_LENGTH_BYTES = 8  # a little-endian uint64 before the JSON header
 

@@ -1,31 +1,25 @@
 """The book's training loop: one optimizer step, written out in named parts.
 
-A step over ``accum_steps`` micro-batches does, in this order: (1) **count**
-the target tokens (not ``IGNORE_INDEX``) on the device, without a sync; (2)
-**forward** under ``torch.autocast`` (bf16, fp16 or off) with the loss in
-**float32**, summed over tokens and divided by the step's count, so that the
-gradients add up to those of the *mean* loss over the whole step; (3)
-**backward** through ``scaler.scale`` (a no-op unless fp16); (4) **unscale**
-and **clip** the total gradient norm; (5) **step** through the scaler, which
-skips the step when an fp16 gradient overflowed, and **update** the scale; (6)
-advance the **schedule**; (7) **zero** the gradients to ``None``.
+A step over ``accum_steps`` micro-batches counts the target tokens, runs the
+forward under ``torch.autocast`` with the loss in float32 (summed over tokens
+and divided by the step's count: the gradient of the *mean* loss over the whole
+step), backpropagates through the fp16 loss scaler, clips, steps, advances the
+schedule and zeroes the gradients; the numbered comments follow that order.
+Losses stay on the device and are read to the host (a sync) only every
+``log_every`` steps, when a ``history`` row is written; a non-finite loss is
+noticed then, and the error names the step where it started.
 
-Losses and gradient norms stay on the device and are read to the host (a GPU
-sync) only every ``log_every`` steps, when a ``history`` row is written; a
-non-finite loss is noticed then, up to ``log_every - 1`` steps late, and the
-error names the step where it started so you can resume from before it.
+The ``Trainer`` owns the training state: ``state_dict()`` holds tensors and
+plain values (``torch.load(..., weights_only=True)`` reads it), and
+``load_state_dict`` checks all of it before changing anything. It builds on
+``torchbook.optim``: the default optimizer and schedule, and the checks of a
+saved optimizer state that torch itself would load without complaint.
 
-The ``Trainer`` owns the training state: ``state_dict()`` holds everything as
-tensors and plain values (``torch.load(..., weights_only=True)`` reads it),
-and ``load_state_dict`` checks all of it before changing anything.
-
-**Distributed.** With more than one rank the model must be DDP or FSDP2
-(``fully_shard``), which *average* gradients. The step all-reduces the token
-count, multiplies each loss by the world size (so the gradient is that of the
-global mean loss, however tokens fall per rank) and synchronises gradients on
-the last micro-batch only. ``state_dict`` suits one process or DDP; FSDP2's
-sharded weights need ``torch.distributed.checkpoint``.
-
+**Distributed.** With more than one rank the model must be DDP or FSDP2, which
+*average* gradients: the step all-reduces the token count, scales each loss by
+the world size (the gradient of the global mean, however tokens fall per rank)
+and synchronises gradients on the last micro-batch only. ``state_dict`` suits
+one process or DDP; FSDP2's sharded weights need ``torch.distributed.checkpoint``.
 The loop draws no random numbers: the caller seeds initialisation, dropout and data.
 """
 
@@ -45,16 +39,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from torchbook.optim import (
+    OptimizerConfig, apply_config, build_optimizer, build_schedule, optimizer_state_problems, structure_problems,
+)
+
 # Targets equal to this are not scored (padding, prompt tokens): cross_entropy's own default.
 IGNORE_INDEX = -100
 
 # The autocast dtype of each precision; "fp32" disables autocast and is listed so every precision has one.
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LISTED_KEYS = 12  # an error lists at most this many missing keys
-# Devices with a fused AdamW kernel (one kernel for all parameters instead of one per operation).
-FUSED_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu")
-# TrainConfig fields the default optimizer and schedule are built from; see Trainer.load_state_dict.
-OPTIMIZER_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps", "weight_decay", "betas")
 STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "step", "skipped_steps", "history", "pending", "config")
 PENDING_KEYS = ("steps", "lr", "loss", "grad_norm", "target_tokens", "seconds")
 
@@ -64,15 +58,14 @@ class NonFiniteLossError(RuntimeError):
 
 
 @dataclass
-class TrainConfig:
-    """Everything the loop needs to know besides the model and the data."""
+class TrainConfig(OptimizerConfig):
+    """Everything the loop needs to know besides the model and the data.
 
-    max_steps: int = 1000  # optimizer steps that fit() runs
-    lr: float = 3e-4  # peak learning rate, reached at the end of warmup
-    min_lr: float = 3e-5  # learning rate at max_steps, the end of the cosine
-    warmup_steps: int = 100  # steps of linear warmup from lr / warmup_steps to lr
-    weight_decay: float = 0.1  # applied to weights with dim >= 2 only
-    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's moment decay rates
+    The first six fields (``max_steps``, ``lr``, ``min_lr``, ``warmup_steps``,
+    ``weight_decay``, ``betas``) come from ``OptimizerConfig``: the default
+    optimizer and schedule are built from them.
+    """
+
     accum_steps: int = 1  # micro-batches per optimizer step
     max_grad_norm: float | None = 1.0  # clip the total gradient norm to this; None: no clipping
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast dtype of the forward pass)
@@ -80,17 +73,13 @@ class TrainConfig:
     log_every: int = 10  # steps between history rows, i.e. between host syncs
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.precision not in AUTOCAST_DTYPES:
             raise ValueError(f"TrainConfig.precision must be one of {sorted(AUTOCAST_DTYPES)}, got {self.precision!r}")
-        for name in ("max_steps", "accum_steps", "eval_every", "log_every"):
+        for name in ("accum_steps", "eval_every", "log_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps <= self.max_steps:
-            raise ValueError(f"TrainConfig.warmup_steps must be an int in [0, max_steps={self.max_steps}], "
-                             f"got {self.warmup_steps!r}")
-        if not 0 <= self.min_lr <= self.lr or self.lr <= 0:
-            raise ValueError(f"TrainConfig needs 0 <= min_lr <= lr and lr > 0, got min_lr={self.min_lr}, lr={self.lr}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"TrainConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
 
@@ -105,78 +94,19 @@ class StepResult:
     skipped: bool  # True when the fp16 scaler skipped the step (step and schedule did not advance)
 
 
-def learning_rate(step: int, config: TrainConfig) -> float:
-    """Learning rate for the optimizer step that follows ``step`` completed steps.
-
-    Linear warmup (lr / warmup_steps up to lr), then a half cosine down to ``min_lr``
-    at ``max_steps``, ``min_lr`` after. Warmup keeps the first updates small while
-    AdamW's second moments are poor; the cosine lets the loss settle.
-    """
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    if step >= config.max_steps:
-        return config.min_lr
-    progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
-    return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - config.min_lr)
-
-
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: matrices (dim >= 2) decay; biases and norm weights (dim < 2) do not.
-
-    Decay regularises the matrices that mix features; a LayerNorm gain pulled to
-    zero would switch its layer off, and a bias has nothing to regularise. A tied
-    weight is yielded once by ``named_parameters``, so it lands in one group.
-    """
-    trainable = [p for _, p in model.named_parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in trainable if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0},
-    ]
-
-
-def build_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warmup + cosine (``learning_rate``) as a ``LambdaLR``: each group's lr times ``learning_rate / config.lr``."""
-    def lr_factor(step: int) -> float:  # LambdaLR multiplies each group's base lr by this
-        return learning_rate(step, config) / config.lr
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-
-
-def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device | None = None
-                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """The book's AdamW (decay and no-decay groups) and its warmup + cosine schedule.
-
-    ``fused=True`` (one kernel for all parameters, not several per operation) where
-    the device has the kernel and every parameter is floating point. ``device``
-    defaults to the first parameter's.
-    """
-    groups = parameter_groups(model, config.weight_decay)
-    parameters = [p for group in groups for p in group["params"]]
-    if device is None:
-        device = parameters[0].device if parameters else torch.device("cpu")
-    fused = torch.device(device).type in FUSED_DEVICE_TYPES and all(p.is_floating_point() for p in parameters)
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, fused=fused or None)
-    return optimizer, build_schedule(optimizer, config)
-
-
 def _check_on_device(model: nn.Module, device: torch.device) -> None:
     """Raise unless every tensor of ``model`` is on ``device``, where AdamW will create its moments."""
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        where = tensor.device
-        if where.type != device.type or (device.index is not None and where.index != device.index):
-            raise ValueError(f"Trainer: model tensor {name!r} is on {where}, expected {device}; "
+        if tensor.device.type != device.type or device.index not in (None, tensor.device.index):
+            raise ValueError(f"Trainer: model tensor {name!r} is on {tensor.device}, expected {device}; "
                              f"call model.to({str(device)!r}) before building the Trainer")
 
 
 def _inner_module(model: nn.Module) -> nn.Module:
-    """The module inside torch.compile and DDP wrappers: its keys load into a plain model."""
-    while True:
-        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
+    """The module inside torch.compile (``_orig_mod``) and DDP (``.module``) wrappers: its keys load into a plain model."""
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module) or isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model._orig_mod
+    return model
 
 
 def _world_size() -> int:
@@ -380,44 +310,40 @@ class Trainer:
     def state_dict_problems(self, state: Any) -> list[str]:
         """Every way ``state`` does not fit this trainer, as readable lines; empty when it loads.
 
-        Checked in full (types, the model's shapes and dtypes, the optimizer's
-        groups) so that ``load_state_dict`` can refuse before changing anything.
+        Checked in full against this trainer's own ``state_dict()`` (keys, the
+        model's shapes and dtypes, the optimizer's groups, kinds of values), so
+        that ``load_state_dict`` can refuse before changing anything.
         """
         if not isinstance(state, Mapping):
             return [f"trainer state is a {type(state).__name__}, expected a dict"]
         missing = [key for key in STATE_KEYS if key not in state]
         if missing:
             return [f"trainer state has no {', '.join(repr(key) for key in missing)}"]
-        scaler, scaling = state["scaler"], self.scaler.is_enabled()
-        kind = {key: type(state[key]).__name__ for key in STATE_KEYS}
-        checks = [  # (entry, whether it fits, what is wrong when it does not)
-            ("scheduler", self.scheduler is None or isinstance(state["scheduler"], Mapping),
-             f"a {kind['scheduler']}, expected a dict"),
-            ("scaler", isinstance(scaler, Mapping), f"a {kind['scaler']}, expected a dict"),
-            ("scaler", not isinstance(scaler, Mapping) or bool(scaler) == scaling,
-             f"loss scaling (fp16) is {'off' if scaling else 'on'} in the state, {'on' if scaling else 'off'} now"),
-            ("step", _is_count(state["step"]), f"{state['step']!r}, expected an int >= 0"),
-            ("skipped_steps", _is_count(state["skipped_steps"]), f"{state['skipped_steps']!r}, expected an int >= 0"),
-            ("history", isinstance(state["history"], list) and all(isinstance(row, Mapping)
-                                                                    for row in state["history"]),
-             "expected a list of dicts"),
-            ("config", state["config"] is None or isinstance(state["config"], Mapping),
-             f"a {kind['config']}, expected a dict"),
-        ]
-        problems = _model_problems(_inner_module(self.model), state["model"])
-        problems += _optimizer_problems(self.optimizer, state["optimizer"])
-        problems += [f"{key}: {message}" for key, fits, message in checks if not fits]
+        live = self.state_dict()
+        model, optimizer, scaler = state["model"], state["optimizer"], state["scaler"]
+        problems = structure_problems(model, live["model"], "model")
+        unexpected = [key for key in model if key not in live["model"]] if isinstance(model, Mapping) else []
+        if unexpected:
+            problems.append(f"model: {len(unexpected)} unexpected keys: {unexpected[:LISTED_KEYS]}")
+        problems += optimizer_state_problems(optimizer, self.optimizer)
+        problems += structure_problems(state["scheduler"], live["scheduler"], "scheduler")
+        problems += structure_problems(scaler, live["scaler"], "scaler")
+        if isinstance(scaler, Mapping) and bool(scaler) != self.scaler.is_enabled():
+            now = "on" if self.scaler.is_enabled() else "off"
+            problems.append(f"scaler: loss scaling (fp16) is {'on' if scaler else 'off'} in the state, {now} now")
+        problems += [f"{key}: {state[key]!r}, expected an int >= 0" for key in ("step", "skipped_steps")
+                     if not _is_count(state[key])]
+        if not isinstance(state["history"], list) or not all(isinstance(row, Mapping) for row in state["history"]):
+            problems.append("history: expected a list of dicts")
         problems += _pending_problems(state["pending"])
-        # Torch's optimizer and scheduler load any value (a string learning rate, a schedule
-        # without last_epoch) and fail, or silently mis-train, only later: compare kinds with ours.
-        return problems or _value_kind_problems(state, self.state_dict())
+        return problems + structure_problems(state["config"], live["config"], "config", optional=True)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned; on any problem raise ``ValueError`` and change nothing.
 
-        If this trainer built its own optimizer and ``config`` changed a field in
-        ``OPTIMIZER_FIELDS``, the *new* values apply from the next step, so the
-        rate used (and logged) is ``learning_rate(step, config)``. A passed-in
+        An optimizer this trainer built takes its rates, betas and decay from
+        ``config``, so a changed learning rate applies from the next step (the
+        rate used and logged is ``learning_rate(step, config)``). A passed-in
         optimizer and scheduler are restored as saved.
         """
         problems = self.state_dict_problems(state)
@@ -439,25 +365,8 @@ class Trainer:
             for step, lr, loss, norm, tokens in zip(*(pending[key] for key in PENDING_KEYS[:5]))
         ]
         self._interval_started = time.perf_counter() - float(pending["seconds"])
-        saved, current = state["config"] or {}, dataclasses.asdict(self.config)
-        as_list = lambda value: list(value) if isinstance(value, (list, tuple)) else value  # noqa: E731
-        if self.owns_optimizer and any(as_list(saved.get(key)) != as_list(current[key]) for key in OPTIMIZER_FIELDS):
-            self._apply_config_to_optimizer()
-
-    def _apply_config_to_optimizer(self) -> None:
-        """Set the book's optimizer groups and schedule from ``config``, as if built with it at ``step``."""
-        config, scheduler = self.config, self.scheduler
-        for group, decay in zip(self.optimizer.param_groups, (config.weight_decay, 0.0)):
-            group["initial_lr"] = config.lr
-            group["betas"] = tuple(config.betas)
-            group["weight_decay"] = decay
-        scheduler.base_lrs = [config.lr for _ in self.optimizer.param_groups]
-        # LambdaLR's own formula at last_epoch == step, so the schedule's next steps continue from it.
-        rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs,
-                                                                             scheduler.lr_lambdas)]
-        for group, rate in zip(self.optimizer.param_groups, rates):
-            group["lr"] = rate
-        scheduler._last_lr = rates
+        if self.owns_optimizer:
+            apply_config(self.optimizer, self.scheduler, self.config)
 
     # ----- evaluation and the whole run -----
 
@@ -515,43 +424,6 @@ class Trainer:
 # ----- checks behind Trainer.state_dict_problems -----
 
 
-def _model_problems(model: nn.Module, saved: Any) -> list[str]:
-    """Missing and unexpected keys, and tensors of another shape or dtype, in a saved model state."""
-    if not isinstance(saved, Mapping):
-        return [f"model: a {type(saved).__name__}, expected a state_dict (a dict of tensors)"]
-    expected = model.state_dict()
-    problems = [f"model: {len(keys)} {kind} keys, e.g. {keys[:3]}" for kind, keys in (
-        ("missing", [k for k in expected if k not in saved]), ("unexpected", [k for k in saved if k not in expected]))
-        if keys]
-    for key, target in expected.items():
-        source = saved.get(key, target)
-        if not isinstance(source, Tensor) or source.shape != target.shape or source.dtype != target.dtype:
-            found = f"{source.dtype} {tuple(source.shape)}" if isinstance(source, Tensor) else type(source).__name__
-            problems.append(f"model[{key!r}]: {found}, expected {target.dtype} {tuple(target.shape)}")
-    return problems
-
-
-def _optimizer_problems(optimizer: torch.optim.Optimizer, saved: Any) -> list[str]:
-    """Ways a saved optimizer state does not fit ``optimizer``: structure, group sizes, state shapes."""
-    if not isinstance(saved, Mapping):
-        return [f"optimizer: a {type(saved).__name__}, expected a dict"]
-    groups, states = saved.get("param_groups"), saved.get("state")
-    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
-                                               for g in groups):
-        return ["optimizer: 'param_groups' is not a list of groups with 'params' lists"]
-    if not isinstance(states, Mapping) or not all(isinstance(entry, Mapping) for entry in states.values()):
-        return ["optimizer: 'state' is not a dict of per-parameter dicts"]
-    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
-        return [f"optimizer: groups of {[len(g['params']) for g in groups]} parameters in the state, "
-                f"{[len(g['params']) for g in optimizer.param_groups]} now"]
-    parameters = {old: new for g, h in zip(groups, optimizer.param_groups) for old, new in zip(g["params"], h["params"])}
-    return [f"optimizer state {name!r} of parameter {index!r}: shape {tuple(value.shape)}, expected "
-            f"{tuple(parameters[index].shape)}" if index in parameters else f"optimizer state for unknown {index!r}"
-            for index, entries in states.items() for name, value in entries.items()
-            if index not in parameters or (isinstance(value, Tensor) and value.dim() > 0
-                                           and value.shape != parameters[index].shape)]
-
-
 def _pending_problems(pending: Any) -> list[str]:
     """Whether the not-yet-logged steps are lists and tensors of one length."""
     if not isinstance(pending, Mapping) or any(key not in pending for key in PENDING_KEYS):
@@ -560,53 +432,10 @@ def _pending_problems(pending: Any) -> list[str]:
     if not isinstance(steps, list) or not all(_is_count(step) for step in steps):
         return ["pending['steps']: expected a list of ints"]
     length = len(steps)
-    checks = [("lr", isinstance(rates, list) and len(rates) == length
-               and all(isinstance(lr, (int, float)) for lr in rates), f"a list of {length} numbers")]
+    plain = lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)  # noqa: E731
+    checks = [("lr", isinstance(rates, list) and len(rates) == length and all(map(plain, rates)),
+               f"a list of {length} numbers")]
     checks += [(key, isinstance(pending[key], Tensor) and pending[key].shape == (length,),
                 f"a tensor of shape ({length},)") for key in ("loss", "grad_norm", "target_tokens")]
-    checks.append(("seconds", isinstance(pending["seconds"], (int, float)), "a number"))
+    checks.append(("seconds", plain(pending["seconds"]), "a number"))
     return [f"pending[{key!r}]: expected {expected}" for key, fits, expected in checks if not fits]
-
-
-def _kind_problems(saved: Any, live: Any, where: str, *, optional: bool = False) -> list[str]:
-    """Where ``saved`` does not have the structure of ``live``: keys, list lengths, kinds of values.
-
-    A number may be an int, a float or a tensor, never a bool or a string.
-    ``None`` matches anything where ``live`` is None, stands for a bool (torch's
-    tri-state flags: ``fused``, ``foreach``), and for anything with ``optional``.
-    """
-    if live is None or (saved is None and (optional or isinstance(live, bool))):
-        return []
-    if isinstance(live, Mapping):
-        if not isinstance(saved, Mapping):
-            return [f"{where}: a {type(saved).__name__}, expected a dict"]
-        missing = [key for key in live if key not in saved]
-        return ([f"{where}: no {missing[:LISTED_KEYS]}"] if missing else []) + [
-            p for key in live if key in saved for p in _kind_problems(saved[key], live[key], f"{where}[{key!r}]",
-                                                                     optional=optional)]
-    if isinstance(live, (list, tuple)):
-        if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
-            return [f"{where}: {saved!r:.60}, expected a list of {len(live)}"]
-        return [p for i, (s, v) in enumerate(zip(saved, live)) for p in _kind_problems(s, v, f"{where}[{i}]", optional=optional)]
-    number = lambda value: isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool)  # noqa: E731
-    for test, what in ((lambda v: isinstance(v, bool), "a bool"), (number, "a number"), (lambda v: isinstance(v, str), "a string")):
-        if test(live) and not test(saved):
-            return [f"{where}: {saved!r:.60}, expected {what}"]
-    return []
-
-
-def _value_kind_problems(saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:
-    """Hyperparameters, schedule, scaler and config of ``saved`` that do not have the kind ``live``'s have.
-
-    Both are ``Trainer.state_dict()`` results whose structure the trainer has
-    checked. A torch optimizer or scheduler takes any value (a string learning
-    rate, a schedule without ``last_epoch``) and fails only at the next step.
-    """
-    problems = [p for i, (group, now) in enumerate(zip(saved["optimizer"]["param_groups"], live["optimizer"]["param_groups"]))
-                for p in _kind_problems(group, now, f"optimizer['param_groups'][{i}]")]
-    problems += [f"optimizer['state'][{index!r}][{name!r}]: {value!r:.40}, expected a tensor or a number"
-                 for index, entries in saved["optimizer"]["state"].items() for name, value in entries.items()
-                 if _kind_problems(value, 0.0, "")]
-    problems += _kind_problems(saved["scheduler"], live["scheduler"], "scheduler")
-    problems += _kind_problems(saved["scaler"], live["scaler"], "scaler")
-    return problems + _kind_problems(saved["config"], live["config"], "config", optional=True)

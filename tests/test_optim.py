@@ -1,0 +1,81 @@
+"""The book's optimizer and schedule, and the checks of a saved optimizer state before it is loaded."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from torchbook.optim import (
+    OptimizerConfig, apply_config, build_optimizer, learning_rate, optimizer_state_problems, structure_problems,
+)
+
+
+def stepped(config: OptimizerConfig, steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+    """A small model whose book optimizer has taken ``steps`` steps (so it has moments)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    optimizer, scheduler = build_optimizer(model, config, torch.device("cpu"))
+    for _ in range(steps):
+        model(torch.randn(5, 4)).square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer, scheduler
+
+
+def test_an_optimizer_config_names_the_field_that_is_wrong():
+    with pytest.raises(ValueError, match=r"OptimizerConfig.warmup_steps must be an int in \[0, max_steps=10\]"):
+        OptimizerConfig(max_steps=10, warmup_steps=11)
+    with pytest.raises(ValueError, match=r"min_lr=0.1, lr=0.01"):
+        OptimizerConfig(lr=0.01, min_lr=0.1)
+
+
+def test_a_saved_state_of_the_same_optimizer_has_no_problems():
+    _, optimizer, _ = stepped(OptimizerConfig(max_steps=10, warmup_steps=2))
+    assert optimizer_state_problems(copy.deepcopy(optimizer.state_dict()), optimizer) == []
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda s: s["param_groups"][0].update(lr="0.1"), r"\['param_groups'\]\[0\]\['lr'\]: '0.1', expected a number"),
+    (lambda s: s["param_groups"][1].update(amsgrad=0), r"\['amsgrad'\]: 0, expected a bool"),
+    (lambda s: s["param_groups"].pop(), r"optimizer\['param_groups'\]: a list of 1, expected a list of 2"),
+    (lambda s: s["param_groups"][0]["params"].pop(), r"\['params'\]: a list of 1, expected a list of 2"),
+    (lambda s: s["state"][0].update(exp_avg=torch.zeros(3)), r"\['state'\]\[0\]\['exp_avg'\]: .* shape \(8, 4\)"),
+    (lambda s: s["state"].update({99: {"step": torch.tensor(1.0)}}), r"\['state'\]\[99\]: expected a dict for a param"),
+    (lambda s: s.pop("state"), r"optimizer: 1 missing keys: \['state'\]"),
+], ids=["string-lr", "int-for-a-flag", "one-group", "group-of-another-size", "moment-shape", "unknown-parameter",
+        "no-state"])
+def test_a_damaged_optimizer_state_is_named_before_torch_would_load_it(damage, message):
+    _, optimizer, _ = stepped(OptimizerConfig(max_steps=10, warmup_steps=2))
+    saved = copy.deepcopy(optimizer.state_dict())
+    damage(saved)
+    problems = optimizer_state_problems(saved, optimizer)
+    assert any(re.search(message, line) for line in problems), problems
+
+
+def test_none_stands_for_torchs_tri_state_flags_but_not_for_a_number():
+    assert structure_problems({"fused": None}, {"fused": True}, "group") == []
+    assert structure_problems({"lr": None}, {"lr": 0.1}, "group") == ["group['lr']: None, expected a number"]
+    assert structure_problems(None, {"lr": 0.1}, "config", optional=True) == []
+
+
+def test_applying_the_saved_config_changes_nothing_and_a_new_one_sets_the_next_rate():
+    config = OptimizerConfig(max_steps=10, lr=1e-2, min_lr=1e-3, warmup_steps=2)
+    model, optimizer, scheduler = stepped(config, steps=4)
+    before = copy.deepcopy(optimizer.state_dict()["param_groups"])
+    apply_config(optimizer, scheduler, config)
+    assert optimizer.state_dict()["param_groups"] == before  # bit for bit: == on floats
+
+    # A run resumed with a new config builds its pair from it, loads the saved state, then applies the config.
+    changed = OptimizerConfig(max_steps=10, lr=4e-3, min_lr=1e-4, warmup_steps=2)
+    resumed, resumed_schedule = build_optimizer(model, changed, torch.device("cpu"))
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    resumed_schedule.load_state_dict(scheduler.state_dict())
+    assert resumed.param_groups[0]["lr"] == pytest.approx(learning_rate(4, config)), "loading restores the old rate"
+    apply_config(resumed, resumed_schedule, changed)
+    assert [group["lr"] for group in resumed.param_groups] == [pytest.approx(learning_rate(4, changed))] * 2
+    assert resumed_schedule.get_last_lr() == [group["lr"] for group in resumed.param_groups]
