@@ -1,31 +1,28 @@
 """Exact resume: weights and the full training state, saved atomically and refused when bad.
 
-- **Weights** (``save_weights`` / ``load_weights``): a ``torch.save`` of the
-  model's ``state_dict``. To publish weights, see ``torchbook.weights`` (safetensors).
-- **Training checkpoints** (``save_training_checkpoint`` / ``load_training_checkpoint``):
-  the trainer's ``state_dict()`` (model, optimizer, scheduler, scaler, step,
-  skipped steps, history, losses not yet logged, config), the random generators
-  (Python, NumPy, torch CPU, CUDA, MPS), the data position and the model config.
+- **Weights** (``save_weights`` / ``load_weights``): a ``torch.save`` of the model's ``state_dict``.
+  To publish weights, see ``torchbook.weights`` (safetensors).
+- **Training checkpoints** (``save_training_checkpoint`` / ``load_training_checkpoint``): the
+  trainer's ``state_dict()`` (model, optimizer, scheduler, scaler, step, skipped steps, history,
+  losses not yet logged, config), the random generators (Python, NumPy, torch CPU, CUDA, MPS),
+  the data position and the model config.
 
-Every file loads with ``torch.load(..., weights_only=True)`` (tensors and plain
-values only: loading runs no code), is written through
-``torchbook.files.atomic_write`` (a crash leaves the previous file whole), and
-is checked entirely before anything live changes; every error is a
-``CheckpointError`` naming the file.
+Every file loads with ``torch.load(..., weights_only=True)`` (tensors and plain values only: loading
+runs no code), is written through ``torchbook.files.atomic_write`` (a crash leaves the previous file
+whole), and is checked entirely before anything live changes; every error is a ``CheckpointError``
+naming the file.
 
-**Rotation keeps the newest written.** A checkpoint's name carries a save
-sequence beside its step (``ckpt-000007-step-00000042.pt``); "latest" and
-"keep the last N" follow the sequence, never the step or the file's time, so a
-run restarted from an older step keeps its new checkpoint. One process writes
-to a folder at a time.
+**Rotation keeps the newest written.** A checkpoint's name carries a save sequence beside its step
+(``ckpt-000007-step-00000042.pt``); "latest" and "keep the last N" follow the sequence, never the
+step or the file's time, so a run restarted from an older step keeps its new checkpoint. One process
+writes to a folder at a time.
 
-**What else exact resume depends on.** A deterministic run (same operations in
-the same order: ``torch.use_deterministic_algorithms(True)``, a fixed number of
-CPU threads, same device and versions). A ``DataLoader`` without a
-``generator`` of its own draws a base seed from the *global* torch generator
-every time it is iterated, even without shuffling or workers: iterate it after ``restore_rng_state`` (or give it its own
-``generator``) and restore its position from the data state, as
-``examples/resume_demo.py`` does with its ``TokenStream``.
+**What else exact resume depends on.** A deterministic run (same operations in the same order:
+``torch.use_deterministic_algorithms(True)``, a fixed number of CPU threads, same device and
+versions). A ``DataLoader`` without a ``generator`` of its own draws a base seed from the *global*
+torch generator every time it is iterated, even without shuffling or workers: iterate it after
+``restore_rng_state`` (or give it its own ``generator``) and restore its position from the data
+state, as ``examples/resume_demo.py`` does with its ``TokenStream``.
 """
 
 from __future__ import annotations
@@ -63,17 +60,12 @@ class CheckpointError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- reading torch files
-
 def read_torch_file(path: str | Path, *, mmap: bool = False, verify: bool = True) -> Any:
     """``torch.load(path, map_location="cpu", weights_only=True)`` with errors that name the file.
 
-    The file is judged from its own bytes first: ``torch.save`` writes a zip
-    archive (``PK``; before PyTorch 1.6 a bare pickle, byte 0x80), safetensors
-    starts with an 8-byte length and ``{``; a zip needs its end record, and
-    ``verify=True`` checks its members' CRCs, which ``torch.load`` does not
-    (one extra read; pass False for a huge file you trust). torch's refusal is
-    judged by its exception type, its text kept as detail. ``mmap=True`` maps
-    the tensors' bytes from the file: loading is immediate, pages are read on use.
+    The bytes are judged first: ``torch.save`` writes a zip (``PK``; before 1.6 a pickle, 0x80), safetensors
+    an 8-byte length then ``{``. ``verify`` checks the zip's CRCs, which ``torch.load`` does not (one extra
+    read; skip it for a huge file you trust). ``mmap=True`` maps the tensors' bytes: pages are read on use.
     """
     path = Path(path)
     if not path.is_file():
@@ -89,8 +81,8 @@ def read_torch_file(path: str | Path, *, mmap: bool = False, verify: bool = True
         refusal = f"not a file written by torch.save (it starts with {head!r}; expected a zip archive, b'PK\\x03\\x04')"
     elif head.startswith(b"PK") and not zipfile.is_zipfile(path):  # the archive's end record is missing
         refusal = f"truncated torch.save archive ({path.stat().st_size:,} bytes, no zip end record); was the write interrupted?"
-    elif head.startswith(b"PK") and verify and _damaged_member(path):
-        refusal = f"corrupt torch.save file{_damaged_member(path)}; the bytes changed after it was written"
+    elif head.startswith(b"PK") and verify and (damage := _damaged_member(path)):
+        refusal = f"corrupt torch.save file{damage}; the bytes changed after it was written"
     if refusal:
         raise CheckpointError(f"{path}: {refusal}")
     try:
@@ -120,7 +112,6 @@ def _first_line(error: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------- weights
-
 def unwrap_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """Drop the key prefix a wrapper adds (``_orig_mod.``: torch.compile, ``module.``: DDP) when all keys have it."""
     unwrapped = dict(state_dict)
@@ -140,8 +131,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 def state_dict_problems(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
     """Missing and unexpected keys, and tensors of another shape or dtype; empty when it loads unchanged.
 
-    ``load_state_dict`` itself copies the keys that fit before it raises,
-    leaving a half-loaded model; checking first avoids that.
+    ``load_state_dict`` copies the keys that fit before it raises; checking first avoids a half-loaded model.
     """
     expected = unwrap_model(model).state_dict()
     problems = []
@@ -161,12 +151,16 @@ def state_dict_problems(model: nn.Module, state_dict: Mapping[str, Any]) -> list
     return problems
 
 
+def _refuse(problems: list[str], message: str) -> None:
+    """If there are problems, raise CheckpointError: ``message``, then one indented line per problem."""
+    if problems:
+        raise CheckpointError(f"{message}:\n  " + "\n  ".join(problems))
+
+
 def check_state_dict(model: nn.Module, state_dict: Mapping[str, Any], source: str | Path) -> None:
     """Raise CheckpointError naming ``source`` and every problem, unless ``state_dict`` fits ``model``."""
-    problems = state_dict_problems(model, state_dict)
-    if problems:
-        raise CheckpointError(f"{source}: does not fit {type(unwrap_model(model)).__name__} (architecture "
-                              "mismatch); nothing was loaded:\n  " + "\n  ".join(problems))
+    _refuse(state_dict_problems(model, state_dict),
+            f"{source}: does not fit {type(unwrap_model(model)).__name__} (architecture mismatch); nothing was loaded")
 
 
 def _write_torch(path: Path, value: Any) -> Path:
@@ -199,7 +193,6 @@ def load_weights(model: nn.Module, path: str | Path, *, mmap: bool = False) -> n
 
 
 # --------------------------------------------------------------------------- plain values only
-
 _PLAIN_TYPES = (bool, int, float, str, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
 
 
@@ -231,14 +224,13 @@ def config_as_dict(config: Any) -> dict[str, Any] | None:
 def config_differences(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> list[str]:
     """Fields whose values differ between two configuration dicts, as readable lines (tuples equal lists)."""
     saved, current = saved or {}, current or {}
-    as_list = lambda value: list(value) if isinstance(value, tuple) else value  # noqa: E731
+    as_list = lambda value: list(value) if isinstance(value, tuple) else value
     return [f"{key}: {saved.get(key, '<absent>')!r} in the checkpoint, {current.get(key, '<absent>')!r} now"
             for key in sorted(set(saved) | set(current), key=str)
             if as_list(saved.get(key, "<absent>")) != as_list(current.get(key, "<absent>"))]
 
 
 # --------------------------------------------------------------------------- random number generators
-
 def _mps_available() -> bool:
     return hasattr(torch, "mps") and torch.backends.mps.is_available()
 
@@ -246,8 +238,7 @@ def _mps_available() -> bool:
 def capture_rng_state() -> dict[str, Any]:
     """The global random states: Python, NumPy, torch CPU, every CUDA device and MPS (where present).
 
-    NumPy's state is a tuple holding an ndarray, which ``weights_only=True``
-    refuses; its 624 key words are stored as an int64 tensor instead.
+    NumPy's state holds an ndarray, which ``weights_only=True`` refuses: its 624 key words are stored as int64s.
     """
     version, python_words, gauss = random.getstate()
     algorithm, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
@@ -290,9 +281,7 @@ def _numpy_state(saved: Mapping[str, Any]) -> tuple:
 def rng_state_problems(state: Any) -> list[str]:
     """Every reason ``state`` cannot be restored here; the global generators are not touched.
 
-    Each field must have the type ``capture_rng_state`` wrote, and each state
-    is set on a fresh ``random.Random``, ``np.random.RandomState`` and
-    ``torch.Generator``, which check lengths and values as the global ones would.
+    Each field needs the type ``capture_rng_state`` wrote; each state is tried on a fresh generator of its library.
     """
     if not isinstance(state, Mapping) or any(key not in state for key in RNG_KEYS):
         return [f"rng: expected a dict with {', '.join(RNG_KEYS)}"]
@@ -302,7 +291,7 @@ def rng_state_problems(state: Any) -> list[str]:
             if name == "torch_cpu" and not isinstance(state[name], torch.Tensor):
                 raise TypeError("expected a uint8 tensor")
             check(state[name])
-        except Exception as error:  # wrong type, length or value: each library raises its own
+        except Exception as error:  # noqa: BLE001 -- wrong type, length or value: each library raises its own
             problems.append(f"rng[{name!r}]: cannot be restored ({type(error).__name__}: {error})")
     cuda, mps = state["torch_cuda"], state["torch_mps"]
     here = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -319,9 +308,7 @@ def rng_state_problems(state: Any) -> list[str]:
 
 def restore_rng_state(state: Mapping[str, Any], source: str | Path = "checkpoint") -> None:
     """Set the global random states captured by ``capture_rng_state``: all of them, or none on error."""
-    problems = rng_state_problems(state)
-    if problems:
-        raise CheckpointError(f"{source}: the random states cannot be restored; none was:\n  " + "\n  ".join(problems))
+    _refuse(rng_state_problems(state), f"{source}: the random states cannot be restored; none was")
     random.setstate(_python_state(state["python"]))
     np.random.set_state(_numpy_state(state["numpy"]))
     torch.set_rng_state(state["torch_cpu"])
@@ -332,7 +319,6 @@ def restore_rng_state(state: Mapping[str, Any], source: str | Path = "checkpoint
 
 
 # --------------------------------------------------------------------------- training checkpoints
-
 def checkpoint_name(sequence: int, step: int) -> str:
     """``ckpt-000007-step-00000042.pt``: the 7th save in its folder, taken after step 42."""
     return f"ckpt-{sequence:06d}-step-{step:08d}.pt"
@@ -350,14 +336,12 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     """Training checkpoint files in ``folder``, in the order they were saved (temporaries never match)."""
     folder = Path(folder)
     found = [(CHECKPOINT_PATTERN.match(path.name), path) for path in folder.iterdir()] if folder.is_dir() else []
-    return [path for _, path in sorted((int(match.group(1)), path) for match, path in found
-                                       if match and path.is_file())]
+    return [path for _, path in sorted((int(match.group(1)), path) for match, path in found if match and path.is_file())]
 
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
     """The checkpoint saved last in ``folder`` (highest sequence, whatever its step), or None."""
-    found = list_checkpoints(folder)
-    return found[-1] if found else None
+    return next(reversed(list_checkpoints(folder)), None)
 
 
 def save_training_checkpoint(folder: str | Path, trainer_state: Mapping[str, Any], *,
@@ -365,11 +349,9 @@ def save_training_checkpoint(folder: str | Path, trainer_state: Mapping[str, Any
                              keep_last: int = 3) -> Path:
     """Write ``trainer_state`` (``Trainer.state_dict()``), the RNG states and the data position; keep the newest ``keep_last``.
 
-    Call it after an optimizer step and before the next batch is drawn. The
-    name takes the next sequence of ``folder`` (past every name that looks like
-    a checkpoint). Everything is checked for ``weights_only`` loadability
-    before a byte is written; older checkpoints are deleted only after the new
-    one is durable, and never the new one itself.
+    Call it after an optimizer step, before the next batch is drawn. The name takes the next sequence
+    past every name in ``folder`` that looks like a checkpoint. Nothing is written unless ``weights_only``
+    can read it back; older checkpoints are deleted only once the new one is durable, never the new one.
     """
     folder = Path(folder)
     if type(keep_last) is not int or keep_last < 1:
@@ -384,17 +366,12 @@ def save_training_checkpoint(folder: str | Path, trainer_state: Mapping[str, Any
     state = {"format": TRAINING_FORMAT, "format_version": TRAINING_FORMAT_VERSION, "trainer": dict(trainer_state),
              "rng": capture_rng_state(), "data": dict(data_state) if data_state is not None else None,
              "model_config": config_as_dict(model_config)}
-    problems = plain_value_problems(state)
-    if problems:
-        raise CheckpointError(f"{path}: not saved; torch.load(weights_only=True) could not read it back:\n  "
-                              + "\n  ".join(problems))
+    _refuse(plain_value_problems(state), f"{path}: not saved; torch.load(weights_only=True) could not read it back")
     _write_torch(path, state)
-    for old in list_checkpoints(folder)[:-keep_last]:
-        if old != path:
-            old.unlink(missing_ok=True)
-    for leftover in folder.glob(".ckpt-*"):  # left by a save that crashed; never a checkpoint
-        if is_temporary(leftover) and leftover.is_file():
-            leftover.unlink(missing_ok=True)
+    stale = [old for old in list_checkpoints(folder)[:-keep_last] if old != path]
+    stale += [left for left in folder.glob(".ckpt-*") if is_temporary(left) and left.is_file()]  # from a crashed save
+    for old in stale:
+        old.unlink(missing_ok=True)
     return path
 
 
@@ -431,12 +408,10 @@ def load_training_checkpoint(path: str | Path, trainer: Any, *, model_config: An
                              restore_rng: bool = True) -> Resumed:
     """Restore a run from ``path`` into ``trainer`` (and the global generators); return the step and data position.
 
-    Everything is checked first, so on any error nothing has changed: the
-    file, the model configuration (a different one is refused: the weights
-    would not mean the same thing), every RNG state and the trainer's whole
-    state (``trainer.state_dict_problems``). A
-    changed training configuration (say a new learning rate) is applied by the
-    trainer and listed in ``Resumed.train_config_changes``.
+    Everything is checked first, so on any error nothing has changed: the file, the model configuration
+    (a different one is refused: the weights would not mean the same thing), every RNG state and the
+    trainer's whole state (``trainer.state_dict_problems``). A changed training configuration (say a new
+    learning rate) is applied by the trainer and listed in ``Resumed.train_config_changes``.
     """
     path = Path(path)
     state = read_training_checkpoint(path)
@@ -449,8 +424,7 @@ def load_training_checkpoint(path: str | Path, trainer: Any, *, model_config: An
     check = getattr(trainer, "state_dict_problems", None)
     if check is not None:
         problems += check(state["trainer"])
-    if problems:
-        raise CheckpointError(f"{path}: cannot be restored; nothing was loaded:\n  " + "\n  ".join(problems))
+    _refuse(problems, f"{path}: cannot be restored; nothing was loaded")
     trainer.load_state_dict(state["trainer"])
     if restore_rng:
         restore_rng_state(state["rng"], path)
