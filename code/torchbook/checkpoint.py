@@ -341,7 +341,8 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
     """The checkpoint saved last in ``folder`` (highest sequence, whatever its step), or None."""
-    return next(reversed(list_checkpoints(folder)), None)
+    found = list_checkpoints(folder)
+    return found[-1] if found else None
 
 
 def save_training_checkpoint(folder: str | Path, trainer_state: Mapping[str, Any], *,
