@@ -141,7 +141,7 @@ class Trainer:
                              "neither DDP nor FSDP; wrap the model so that its gradients are averaged over the ranks")
         self.model, self.config, self.device = model, config, device
         self.autocast_dtype = AUTOCAST_DTYPES[config.precision]
-        self.owns_optimizer = optimizer is None  # built from config, so load_state_dict may rebuild it
+        self.owns_optimizer = optimizer is None  # built from config, so load_state_dict sets it to config
         if optimizer is None:
             optimizer, scheduler = build_optimizer(model, config, device)
         elif scheduler is None:
