@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from torchbook.optim import (
-    OptimizerConfig, apply_config, build_optimizer, learning_rate, optimizer_state_problems, structure_problems,
+    OptimizerConfig, apply_config, build_optimizer, build_schedule, learning_rate, load_optimizer_state,
+    optimizer_state_problems, parameter_groups, structure_problems,
 )
 
 
@@ -39,15 +40,35 @@ def test_a_saved_state_of_the_same_optimizer_has_no_problems():
     assert optimizer_state_problems(copy.deepcopy(optimizer.state_dict()), optimizer) == []
 
 
+def test_a_scalar_parameter_whose_moments_are_0_dim_is_not_refused():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.temperature = nn.Linear(4, 2), nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) / self.temperature
+
+    model = Scaled()
+    optimizer, _ = build_optimizer(model, OptimizerConfig(max_steps=10, warmup_steps=2), torch.device("cpu"))
+    model(torch.randn(5, 4)).square().mean().backward()
+    optimizer.step()
+    assert optimizer.state[model.temperature]["exp_avg"].dim() == 0  # a moment and a step count look alike here
+    assert optimizer_state_problems(copy.deepcopy(optimizer.state_dict()), optimizer) == []
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda s: s["param_groups"][0].update(lr="0.1"), r"\['param_groups'\]\[0\]\['lr'\]: '0.1', expected a number"),
     (lambda s: s["param_groups"][1].update(amsgrad=0), r"\['amsgrad'\]: 0, expected a bool"),
+    (lambda s: s["param_groups"][0].update(amsgrad=True), r"\['amsgrad'\]: True in the state, False in this optim"),
+    (lambda s: s["state"][0].pop("exp_avg"), r"\['state'\]\[0\]: no 'exp_avg', which the group's other entries"),
+    (lambda s: s["state"][0].update(exp_avg=torch.tensor(0.0)), r"\['state'\]\[0\]\['exp_avg'\]: .*expected a tensor of"),
     (lambda s: s["param_groups"].pop(), r"optimizer\['param_groups'\]: a list of 1, expected a list of 2"),
     (lambda s: s["param_groups"][0]["params"].pop(), r"\['params'\]: a list of 1, expected a list of 2"),
     (lambda s: s["state"][0].update(exp_avg=torch.zeros(3)), r"\['state'\]\[0\]\['exp_avg'\]: .* shape \(8, 4\)"),
-    (lambda s: s["state"].update({99: {"step": torch.tensor(1.0)}}), r"\['state'\]\[99\]: expected a dict for a param"),
+    (lambda s: s["state"].update({99: {"step": torch.tensor(1.0)}}), r"\['state'\]\[99\]: a parameter the groups do not hold"),
     (lambda s: s.pop("state"), r"optimizer: 1 missing keys: \['state'\]"),
-], ids=["string-lr", "int-for-a-flag", "one-group", "group-of-another-size", "moment-shape", "unknown-parameter",
+], ids=["string-lr", "int-for-a-flag", "switch-flipped", "entry-without-a-moment", "scalar-moment", "one-group", "group-of-another-size", "moment-shape", "unknown-parameter",
         "no-state"])
 def test_a_damaged_optimizer_state_is_named_before_torch_would_load_it(damage, message):
     _, optimizer, _ = stepped(OptimizerConfig(max_steps=10, warmup_steps=2))
@@ -57,10 +78,41 @@ def test_a_damaged_optimizer_state_is_named_before_torch_would_load_it(damage, m
     assert any(re.search(message, line) for line in problems), problems
 
 
-def test_none_stands_for_torchs_tri_state_flags_but_not_for_a_number():
-    assert structure_problems({"fused": None}, {"fused": True}, "group") == []
+def test_each_kind_of_value_wants_its_own_kind_and_a_config_is_lenient():
     assert structure_problems({"lr": None}, {"lr": 0.1}, "group") == ["group['lr']: None, expected a number"]
-    assert structure_problems(None, {"lr": 0.1}, "config", optional=True) == []
+    assert structure_problems({"lr": 1}, {"lr": 0.1}, "group") == []  # an int is a number
+    assert structure_problems({"interval": 2.0}, {"interval": 2}, "scaler") == ["scaler['interval']: 2.0, expected an int"]
+    assert structure_problems({"lr_lambdas": [2.5]}, {"lr_lambdas": [None]}, "scheduler") == [
+        "scheduler['lr_lambdas'][0]: 2.5, expected None"]
+    assert structure_problems({"max_grad_norm": None, "min_lr": 0}, {"max_grad_norm": 1.0, "min_lr": 0.0}, "config",
+                              optional=True) == []
+
+
+def test_a_state_saved_without_the_fused_kernel_loads_into_a_fused_optimizer():
+    config = OptimizerConfig(max_steps=10, warmup_steps=2)
+    model, _, _ = stepped(config, steps=0)
+    unfused = torch.optim.AdamW(parameter_groups(model, config.weight_decay), lr=config.lr, betas=config.betas)
+    build_schedule(unfused, config)  # as build_optimizer does: it sets the groups' initial_lr
+    model(torch.randn(5, 4)).square().mean().backward()
+    unfused.step()
+    saved = copy.deepcopy(unfused.state_dict())
+    assert saved["param_groups"][0]["fused"] is None
+
+    def scaled_step(optimizer: torch.optim.Optimizer) -> None:
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(model(torch.randn(5, 4)).square().mean()).backward()
+        scaler.step(optimizer)
+
+    as_torch_loads_it, _ = build_optimizer(model, config, torch.device("cpu"))
+    as_torch_loads_it.load_state_dict(copy.deepcopy(saved))
+    with pytest.raises(AssertionError):  # torch took fused=None from the file; the scaler still sees a fused optimizer
+        scaled_step(as_torch_loads_it)
+    fused, _ = build_optimizer(model, config, torch.device("cpu"))
+    assert optimizer_state_problems(saved, fused) == []
+    load_optimizer_state(fused, saved)
+    assert all(group["fused"] is True for group in fused.param_groups)
+    scaled_step(fused)
+    assert int(fused.state_dict()["state"][0]["step"]) == 2
 
 
 def test_applying_the_saved_config_changes_nothing_and_a_new_one_sets_the_next_rate():

@@ -479,6 +479,47 @@ def test_a_bad_state_is_refused_and_nothing_changes(damage, message):
     assert target.optimizer.state_dict() == optimizer_state
 
 
+def state_leaves(value, path=()):
+    """(path, value) for every value inside a trainer state that is not itself a dict or a list."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from state_leaves(item, path + (key,))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from state_leaves(item, path + (index,))
+    else:
+        yield path, value
+
+
+@pytest.mark.parametrize("replacement", [None, "x", True, 2.5, torch.zeros(3)], ids=repr)
+def test_every_single_damaged_value_is_refused_unchanged_or_trains_on(replacement):
+    """Each value of a real fp16 state replaced in turn: a refusal changes nothing, a load trains three more steps."""
+    source = Trainer(make_model(seed=1), config(precision="fp16", log_every=3), CPU)
+    train_steps(source, 0, 4)
+    whole = source.state_dict()
+    failures = []
+    for path, _ in state_leaves(whole):
+        state = copy.deepcopy(whole)
+        *parents, last = path
+        container = state
+        for key in parents:
+            container = container[key]
+        container[last] = replacement
+        target = Trainer(make_model(), config(precision="fp16", log_every=3), CPU)
+        try:
+            target.load_state_dict(state)
+        except ValueError:
+            if target.step != 0 or target.optimizer.state:
+                failures.append(f"{path}: refused but changed the trainer")
+            continue
+        try:
+            train_steps(target, 4, 7)
+            target.log()
+        except Exception as error:  # noqa: BLE001 -- any failure after a load that was accepted is the bug
+            failures.append(f"{path}: loaded, then {type(error).__name__}: {str(error)[:80]}")
+    assert not failures, "\n".join(failures)
+
+
 # ----------------------------------------------------------------- two ranks (gloo, in subprocesses)
 
 DDP_WORKER = r'''

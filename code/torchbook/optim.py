@@ -11,7 +11,9 @@ accept any value (a string learning rate, moments of another shape, a
 schedule without ``last_epoch``) and fail, or silently mis-train, a step
 later. ``optimizer_state_problems`` and ``structure_problems`` check a saved
 state against the live one first, so a bad state is refused before anything
-is loaded.
+is loaded; ``load_optimizer_state`` then loads it but keeps the live
+optimizer's implementation flags (``fused``, ``foreach``), so a checkpoint
+moves between machines with and without the fused kernel.
 """
 
 from __future__ import annotations
@@ -130,17 +132,19 @@ def apply_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_sch
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float, Tensor)) and not isinstance(value, bool)
+    """An int, a float or a 0-dim tensor (not a bool)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+        isinstance(value, Tensor) and value.dim() == 0)
 
 
 def structure_problems(saved: Any, live: Any, where: str, *, optional: bool = False) -> list[str]:
     """Where ``saved`` lacks the structure of ``live``: dict keys, list lengths, tensor shapes and dtypes, kinds.
 
-    A live number accepts an int, a float or a tensor, never a bool or a string.
-    ``None`` fits where ``live`` is None, stands for a bool (torch's tri-state
-    flags ``fused`` and ``foreach``), and for anything with ``optional``.
+    A live int wants an int, a float an int or a float, a bool a bool, a
+    string a string, None None. ``optional`` is for a user's config: there
+    ``None`` fits anything and an int and a float stand for each other.
     """
-    if live is None or (saved is None and (optional or isinstance(live, bool))):
+    if optional and (live is None or saved is None):
         return []
     if isinstance(live, Mapping):
         if not isinstance(saved, Mapping):
@@ -160,32 +164,82 @@ def structure_problems(saved: Any, live: Any, where: str, *, optional: bool = Fa
             return []
         found = f"{saved.dtype} {tuple(saved.shape)}" if isinstance(saved, Tensor) else type(saved).__name__
         return [f"{where}: {found}, expected {live.dtype} {tuple(live.shape)}"]
-    for kind, what in ((lambda v: isinstance(v, bool), "a bool"), (_is_number, "a number"),
+    plain = lambda v, kinds: isinstance(v, kinds) and not isinstance(v, bool)  # noqa: E731
+    integer = int if not optional else ()  # in a config an int may stand for a float and the other way round
+    for fits, what in ((lambda v: v is None, "None"), (lambda v: isinstance(v, bool), "a bool"),
+                       (lambda v: plain(v, integer), "an int"), (lambda v: plain(v, (int, float)), "a number"),
                        (lambda v: isinstance(v, str), "a string")):
-        if kind(live) and not kind(saved):
-            return [f"{where}: {saved!r:.60}, expected {what}"]
+        if fits(live):
+            return [] if fits(saved) else [f"{where}: {saved!r:.60}, expected {what}"]
     return []
+
+
+# Param-group settings that say how the optimizer runs on this machine, not where training stands.
+IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    """``optimizer.load_state_dict(saved)``, keeping this optimizer's ``IMPLEMENTATION_FLAGS``.
+
+    Torch takes every group setting from the file, so a state saved without the
+    fused kernel (``fused=None``) would turn a fused optimizer into one that
+    fails at its next step under a loss scaler; the flags stay this machine's.
+    """
+    groups = [{**group, **{flag: now[flag] for flag in IMPLEMENTATION_FLAGS if flag in now}}
+              for group, now in zip(saved["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({**saved, "param_groups": groups})
+
+
+# What one value of a parameter's optimizer state can be: a moment, a step count, or nothing.
+ENTRY_KINDS = ("shaped", "scalar", "None")
+
+
+def _entry_kinds(value: Any, parameter: Tensor) -> set[str]:
+    """The ``ENTRY_KINDS`` ``value`` may be for ``parameter`` (a 0-dim parameter's moment is also a scalar)."""
+    if isinstance(value, Tensor) and value.shape == parameter.shape:
+        return {"shaped", "scalar"} if value.dim() == 0 else {"shaped"}
+    return {"scalar"} if _is_number(value) else {"None"} if value is None else set()
 
 
 def optimizer_state_problems(saved: Any, optimizer: torch.optim.Optimizer) -> list[str]:
     """Every way a saved ``optimizer.state_dict()`` does not fit ``optimizer``; empty when it loads.
 
-    The groups must match in number, size and the kinds of their settings; each
-    per-parameter entry (moments, step counts) must belong to a parameter of the
-    groups and have its shape, or be a number.
+    The groups must match in number and size, their settings in kind and their
+    switches (bools) in value. Within a group every parameter's entry must have
+    the same keys, each value the same kind in every entry: a scalar (a step
+    count), None, or a tensor of the parameter's shape (a moment).
     """
-    live = {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
-    problems = structure_problems(saved, live, "optimizer")
+    groups = [{key: value for key, value in group.items() if key not in IMPLEMENTATION_FLAGS}
+              for group in optimizer.state_dict()["param_groups"]]
+    problems = structure_problems(saved, {"state": {}, "param_groups": groups}, "optimizer")
     if problems:
         return problems
-    shapes = {old: new.shape for group, now in zip(saved["param_groups"], optimizer.param_groups)
-              for old, new in zip(group["params"], now["params"])}
-    for index, entries in saved["state"].items():
-        if index not in shapes or not isinstance(entries, Mapping):
-            problems.append(f"optimizer['state'][{index!r}]: expected a dict for a parameter of the groups")
-            continue
-        problems += [f"optimizer['state'][{index!r}][{name!r}]: {value!r:.40}, expected a number or a tensor "
-                     f"of shape {tuple(shapes[index])}" for name, value in entries.items()
-                     if not _is_number(value) or (isinstance(value, Tensor) and value.dim() > 0
-                                                  and value.shape != shapes[index])]
+    # A switch (amsgrad, maximize, nesterov) decides which entries the state holds: it must be this optimizer's.
+    problems += [f"optimizer['param_groups'][{number}][{key!r}]: {group[key]} in the state, {value} in this "
+                 "optimizer, which was built with other settings"
+                 for number, (group, now) in enumerate(zip(saved["param_groups"], groups))
+                 for key, value in now.items() if isinstance(value, bool) and group[key] != value]
+    state, shapes = saved["state"], {}
+    for group, now in zip(saved["param_groups"], optimizer.param_groups):
+        kinds: dict[str, dict[int, set[str]]] = {}  # key -> parameter -> what its value may be
+        for index, parameter in zip(group["params"], now["params"]):
+            shapes[index] = tuple(parameter.shape)
+            entry = state.get(index, {})
+            if not isinstance(entry, Mapping):
+                problems.append(f"optimizer['state'][{index!r}]: a {type(entry).__name__}, expected a dict")
+                continue
+            for name, value in entry.items():
+                kinds.setdefault(name, {})[index] = _entry_kinds(value, parameter)
+        entries = [index for index in group["params"] if isinstance(state.get(index), Mapping) and state[index]]
+        for name, found in kinds.items():
+            # The kind most entries allow; on a tie a moment (parameter-shaped) wins over a scalar, then None.
+            usual = max(ENTRY_KINDS, key=lambda kind: (sum(kind in allowed for allowed in found.values()),
+                                                       -ENTRY_KINDS.index(kind)))
+            problems += [f"optimizer['state'][{index!r}]: no {name!r}, which the group's other entries have"
+                         for index in entries if name not in state[index]]
+            expected = {"shaped": "a tensor of shape {}", "scalar": "a scalar", "None": "None"}[usual]
+            problems += [f"optimizer['state'][{index!r}][{name!r}]: {state[index][name]!r:.40}, expected "
+                         + expected.format(shapes[index]) for index, allowed in found.items() if usual not in allowed]
+    problems += [f"optimizer['state'][{index!r}]: a parameter the groups do not hold" for index in state
+                 if index not in shapes]
     return problems

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchbook.optim import (
-    OptimizerConfig, apply_config, build_optimizer, build_schedule, optimizer_state_problems, structure_problems,
+    OptimizerConfig, apply_config, build_optimizer, build_schedule, load_optimizer_state, optimizer_state_problems,
+    structure_problems,
 )
 
 # Targets equal to this are not scored (padding, prompt tokens): cross_entropy's own default.
@@ -351,7 +352,7 @@ class Trainer:
             raise ValueError("Trainer.load_state_dict: the state does not fit this trainer; "
                              "nothing was loaded:\n  " + "\n  ".join(problems))
         _inner_module(self.model).load_state_dict(state["model"], strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
