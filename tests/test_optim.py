@@ -15,7 +15,8 @@ from torchbook.optim import (
 )
 
 
-def stepped(config: OptimizerConfig, steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+def stepped(config: OptimizerConfig, steps: int = 3
+            ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """A small model whose book optimizer has taken ``steps`` steps (so it has moments)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))

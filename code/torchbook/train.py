@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchbook.optim import (
-    OptimizerConfig, apply_config, build_optimizer, build_schedule, load_optimizer_state, optimizer_state_problems,
-    structure_problems,
+    LISTED_KEYS, OptimizerConfig, apply_config, build_optimizer, build_schedule, load_optimizer_state,
+    optimizer_state_problems, structure_problems,
 )
 
 # Targets equal to this are not scored (padding, prompt tokens): cross_entropy's own default.
@@ -49,7 +49,6 @@ IGNORE_INDEX = -100
 
 # The autocast dtype of each precision; "fp32" disables autocast and is listed so every precision has one.
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-LISTED_KEYS = 12  # an error lists at most this many missing keys
 STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "step", "skipped_steps", "history", "pending", "config")
 PENDING_KEYS = ("steps", "lr", "loss", "grad_norm", "target_tokens", "seconds")
 
@@ -328,10 +327,11 @@ class Trainer:
             problems.append(f"model: {len(unexpected)} unexpected keys: {unexpected[:LISTED_KEYS]}")
         problems += optimizer_state_problems(optimizer, self.optimizer)
         problems += structure_problems(state["scheduler"], live["scheduler"], "scheduler")
-        problems += structure_problems(scaler, live["scaler"], "scaler")
         if isinstance(scaler, Mapping) and bool(scaler) != self.scaler.is_enabled():
             now = "on" if self.scaler.is_enabled() else "off"
             problems.append(f"scaler: loss scaling (fp16) is {'on' if scaler else 'off'} in the state, {now} now")
+        else:
+            problems += structure_problems(scaler, live["scaler"], "scaler")
         problems += [f"{key}: {state[key]!r}, expected an int >= 0" for key in ("step", "skipped_steps")
                      if not _is_count(state[key])]
         if not isinstance(state["history"], list) or not all(isinstance(row, Mapping) for row in state["history"]):
