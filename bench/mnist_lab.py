@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from torchbook import lab
 from torchbook.mnist import resident_batches
-from torchbook.profile import make_profile
+from torchbook.profiles import make_profile
 
 
 def run_lab(data: lab.MnistTensors, profile) -> tuple[float, float, float]:

@@ -26,12 +26,12 @@ import torch
 from torchbook.cache import repository_root, shakespeare_path
 from torchbook.charlm import build, load_corpus, random_blocks, train_char_lm, unigram_baseline
 from torchbook.lab import write_lab_results
-from torchbook.profile import active_profile
+from torchbook.profiles import active_profile
 from torchbook.results import history_series, make_provenance, write_result
 
 # What each run's numbers depend on: a change to any of these makes its file stale.
 LM_SOURCES = ("code/torchbook/charlm.py", "code/torchbook/models.py", "code/torchbook/train.py",
-              "code/torchbook/profile.py", "examples/gpu_results.py")
+              "code/torchbook/profiles.py", "examples/gpu_results.py")
 
 
 def run_language_model(out: Path, max_steps: int | None) -> Path:
@@ -68,7 +68,7 @@ RUNS = ("lm", "lab", "compile")
 
 
 COMPILE_SOURCES = ("code/torchbook/charlm.py", "code/torchbook/models.py", "code/torchbook/train.py",
-                   "code/torchbook/profile.py", "examples/gpu_results.py")
+                   "code/torchbook/profiles.py", "examples/gpu_results.py")
 COMPILE_WARMUP_STEPS = 3  # after the first step: the allocator and caches settle
 COMPILE_TIMED_STEPS = 30  # steady steps timed per model, eager and compiled taking turns
 

@@ -44,7 +44,7 @@ from torchbook.checkpoint import Resumed, latest_checkpoint, load_training_check
 from torchbook.data import ShardError, StreamConfig, TokenStream, read_header, write_shard
 from torchbook.files import atomic_write
 from torchbook.models import GPT, GPTConfig
-from torchbook.profile import CheckpointSizes, active_profile
+from torchbook.profiles import CheckpointSizes, active_profile
 from torchbook.train import TrainConfig, Trainer
 
 BYTE_VOCAB = 256  # tokens are the bytes of the text: no tokenizer needed

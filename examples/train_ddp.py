@@ -30,7 +30,7 @@ from torchbook.distributed import (DistributedContext, cleanup_distributed, coun
                                    is_rank_zero, mean_over_ranks)
 from torchbook.files import atomic_write, atomic_write_text
 from torchbook.models import GPT, GPTConfig
-from torchbook.profile import DeviceSizes, active_profile
+from torchbook.profiles import DeviceSizes, active_profile
 from torchbook.train import TrainConfig, Trainer
 
 # DDP all-reduces gradients in buckets of about this many megabytes (default 25). The book's tiny

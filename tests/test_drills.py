@@ -24,14 +24,14 @@ from torchbook.drills import (
     DrillCheckError, check_drill_1, check_drill_2, check_drill_3, check_drill_4, check_drill_5, check_drill_6,
     check_drill_7,
 )
-from torchbook.profile import make_profile
+from torchbook.profiles import make_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 from drills_notebook import exercise_notebook, write_exercise_notebook  # noqa: E402
 from qmd_notebook import QmdError, to_notebook  # noqa: E402
 
-CHAPTER = ROOT / "chapters" / "07-lab.qmd"
+CHAPTER = ROOT / "chapters" / "08-lab.qmd"
 DRILLS = range(1, 8)
 
 
@@ -64,7 +64,7 @@ def test_filled_in_exercise_notebook_is_the_chapter():
 
 
 def test_chapter_without_a_check_cell_is_refused(tmp_path):
-    chapter = tmp_path / "07-lab.qmd"
+    chapter = tmp_path / "08-lab.qmd"
     chapter.write_text("# Lab\n\n```{python}\n#| label: solution-drill-1\n# Drill 1: train.\nx = 1\n```\n")
     with pytest.raises(QmdError, match=r"drills \[1\] but check cells for \[\]"):
         exercise_notebook(chapter)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from torchbook import lab
 from torchbook.results import read_result
-from torchbook.profile import make_profile
+from torchbook.profiles import make_profile
 
 
 def test_mlp_is_784_256_128_10():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "code" / "torchbook"
-HELPERS = {"profile", "files"}  # any module may import these
+HELPERS = {"profiles", "files"}  # any module may import these
 MODULES = sorted(path.stem for path in PACKAGE.glob("*.py") if path.stem != "__init__")
 
 

@@ -12,7 +12,7 @@ Usage (the post-render step, from the project root)::
 
     python tools/drills_notebook.py [OUTPUT_DIR]
 
-writes ``OUTPUT_DIR/chapters/pytorch_drills.ipynb`` beside ``07-lab.html``
+writes ``OUTPUT_DIR/chapters/pytorch_drills.ipynb`` beside ``08-lab.html``
 (``OUTPUT_DIR`` defaults to ``$QUARTO_PROJECT_OUTPUT_DIR`` or ``_book``).
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qmd_notebook import QmdError, to_notebook  # noqa: E402
 
-LAB_CHAPTER = Path("chapters/07-lab.qmd")
+LAB_CHAPTER = Path("chapters/08-lab.qmd")
 NOTEBOOK_NAME = "pytorch_drills.ipynb"
 SOLUTION_LABEL = re.compile(r"^solution-drill-(\d+)$")
 CHECK_LABEL = re.compile(r"^check-drill-(\d+)$")

@@ -2,12 +2,12 @@
 
 Each module reads on its own and can be copied into another project: it
 imports only the libraries its topic needs and at most the package's two small
-helpers, ``torchbook.profile`` and ``torchbook.files``. The few that build on
+helpers, ``torchbook.profiles`` and ``torchbook.files``. The few that build on
 another module say so below.
 
 Helpers:
 
-- ``profile``: the one place that picks the device and every run size (``QUARTO_PROFILE``).
+- ``profiles``: the one place that picks the device and every run size (``QUARTO_PROFILE``).
 - ``files``: the one atomic writer (temporary, fsync, rename, fsync of the folder).
 
 Chapters 1-5:
@@ -36,7 +36,7 @@ Chapters 1-5:
 - ``weights``: publishing: safetensors (tied weights as ``save_model`` stores them), a
   sharded index, loading on the ``meta`` device.
 
-Chapters 6-7 and the results of full-size runs:
+Chapters 6-8 and the results of full-size runs:
 
 - ``distributed``: process groups, rank slices, all-reduce counting and launching
   ``torchrun`` jobs that always end.

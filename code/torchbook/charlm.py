@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from torchbook.models import GPT, GPTConfig
-from torchbook.profile import LanguageModelSizes
+from torchbook.profiles import LanguageModelSizes
 from torchbook.train import Trainer, TrainConfig
 
 VALIDATION_FRACTION = 0.1  # the last 10% of the text

@@ -36,7 +36,7 @@ from torchbook.cache import mnist_root, repository_root
 from torchbook.files import atomic_write
 from torchbook.mnist import resident_batches, resident_mnist
 from torchbook.optim import build_optimizer, build_schedule
-from torchbook.profile import LabSizes, Profile, make_profile
+from torchbook.profiles import LabSizes, Profile, make_profile
 from torchbook.results import make_provenance, write_result
 from torchbook.train import TrainConfig
 
@@ -343,7 +343,7 @@ def drill_7(model: nn.Module, folder: Path) -> tuple[dict[str, Tensor], dict]:
 
 # What the lab's numbers depend on: a change to any of these makes a stored result stale.
 LAB_SOURCES = ("code/torchbook/lab.py", "code/torchbook/mnist.py", "code/torchbook/train.py",
-               "code/torchbook/profile.py")
+               "code/torchbook/profiles.py")
 
 
 def results_metrics(drills: dict[str, dict]) -> dict[str, float]:

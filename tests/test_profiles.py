@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchbook import profile
+from torchbook import profiles as profile
 
 
 @pytest.mark.parametrize(

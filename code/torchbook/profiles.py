@@ -13,7 +13,8 @@ kernel when you render with ``--profile``; it may be a comma-separated list
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 
@@ -25,8 +26,18 @@ class ProfileError(RuntimeError):
     """The requested profile cannot run on this machine."""
 
 
-# Run sizes, one dataclass per chapter. Defaults are the cpu profile's sizes;
-# make_profile() gives the gpu profile its full sizes.
+def size(cpu: Any, gpu: Any) -> Any:
+    """A run size with its cpu value as the default and its gpu value beside it."""
+    return field(default=cpu, metadata={"gpu": gpu})
+
+
+def gpu_sizes(sizes: Any) -> Any:
+    """``sizes`` with every field declared by ``size()`` set to its gpu value."""
+    return replace(sizes, **{f.name: f.metadata["gpu"] for f in fields(sizes) if "gpu" in f.metadata})
+
+
+# Run sizes, one dataclass per chapter. A field declared with size(cpu=..., gpu=...)
+# differs between the profiles; every other field is the same in both.
 
 
 @dataclass(frozen=True)
@@ -40,20 +51,20 @@ class LanguageModelSizes:
     character-level Shakespeare.
     """
 
-    block_size: int = 64  # characters of context
-    n_layer: int = 2
-    n_head: int = 4
-    d_model: int = 96
-    dropout: float = 0.0
-    batch_size: int = 32  # blocks per optimizer step (accum_steps = 1)
-    max_steps: int = 300
-    lr: float = 3e-3  # a small model tolerates a large peak learning rate
-    min_lr: float = 3e-4
-    warmup_steps: int = 30
-    eval_every: int = 100
-    eval_batches: int = 16  # validation batches per evaluation
-    log_every: int = 10
-    sample_tokens: int = 300  # characters generated after training
+    block_size: int = size(cpu=64, gpu=256)  # characters of context
+    n_layer: int = size(cpu=2, gpu=6)
+    n_head: int = size(cpu=4, gpu=6)
+    d_model: int = size(cpu=96, gpu=384)
+    dropout: float = size(cpu=0.0, gpu=0.2)
+    batch_size: int = size(cpu=32, gpu=64)  # blocks per optimizer step (accum_steps = 1)
+    max_steps: int = size(cpu=300, gpu=5000)
+    lr: float = size(cpu=3e-3, gpu=0.001)  # a small model tolerates a large peak learning rate
+    min_lr: float = size(cpu=3e-4, gpu=0.0001)
+    warmup_steps: int = size(cpu=30, gpu=100)
+    eval_every: int = size(cpu=100, gpu=250)
+    eval_batches: int = size(cpu=16, gpu=50)  # validation batches per evaluation
+    log_every: int = size(cpu=10, gpu=50)
+    sample_tokens: int = size(cpu=300, gpu=500)  # characters generated after training
     plain_steps: int = 100  # steps of the chapter's plain loop (constant learning rate)
     clip_demo_steps: int = 40  # steps of each run of the clipping demonstration
 
@@ -62,17 +73,17 @@ class LanguageModelSizes:
 class DataSizes:
     """Chapter 4: token shards, streaming and DataLoader measurements."""
 
-    vocab_size: int = 2048  # byte-level BPE trained on Tiny Shakespeare
+    vocab_size: int = size(cpu=2048, gpu=8192)  # byte-level BPE trained on Tiny Shakespeare
     tokens_per_shard: int = 100_000  # small, so Tiny Shakespeare makes several shards
-    block_size: int = 256
-    batch_size: int = 32
-    num_workers: int = 2  # this machine has 2 cores
-    timed_batches: int = 200  # batches timed per streaming measurement
-    tutorial_timed_batches: int = 30  # the tutorial TokenDataset is slow; fewer batches give a stable rate
+    block_size: int = size(cpu=256, gpu=1024)
+    batch_size: int = size(cpu=32, gpu=64)
+    num_workers: int = size(cpu=2, gpu=4)
+    timed_batches: int = size(cpu=200, gpu=1000)  # batches timed per streaming measurement
+    tutorial_timed_batches: int = size(cpu=30, gpu=100)  # the tutorial TokenDataset is slow; fewer batches give a stable rate
     loader_batch_size: int = 64  # MNIST batches in the DataLoader demonstrations; 60,000 % 64 leaves a partial batch
     slow_item_s: float = 0.001  # per-image delay of the starved-loader demonstration
     starved_batches: int = 16
-    starved_workers: int = 2  # more than the cores makes DataLoader warn
+    starved_workers: int = size(cpu=2, gpu=4)  # more than the cores makes DataLoader warn
     mnist_batch_size: int = 256
     chat_records: int = 200  # local chat records built from Tiny Shakespeare
     chat_batch_size: int = 8
@@ -88,7 +99,7 @@ class CheckpointSizes:
     model used for the loading demonstrations bigger.
     """
 
-    # The small GPT trained by the resume demonstration (torchbook.resume_demo), byte-level.
+    # The small GPT trained by examples/resume_demo.py, byte-level.
     block_size: int = 32
     n_layer: int = 2
     n_head: int = 2
@@ -96,22 +107,22 @@ class CheckpointSizes:
     dropout: float = 0.1  # > 0 so that exact resume needs the RNG state
     batch_size: int = 8
     accum_steps: int = 2
-    steps: int = 24  # optimizer steps of the whole run
-    save_every: int = 6  # a checkpoint every this many steps
-    kill_after_checkpoint: int = 2  # the run is SIGKILLed once this checkpoint is durable
+    steps: int = size(cpu=24, gpu=60)  # optimizer steps of the whole run
+    save_every: int = size(cpu=6, gpu=10)  # a checkpoint every this many steps
+    kill_after_checkpoint: int = size(cpu=2, gpu=3)  # the run is SIGKILLed once this checkpoint is durable
     keep_last: int = 2  # checkpoints kept on disk
     # The model used to show safetensors, sharding, meta-device loading and mmap.
-    demo_n_layer: int = 4
-    demo_d_model: int = 256
-    demo_n_head: int = 4
-    demo_vocab_size: int = 4096
-    demo_block_size: int = 256
-    shard_bytes: int = 2_000_000  # largest safetensors shard in the sharding demonstration
+    demo_n_layer: int = size(cpu=4, gpu=12)
+    demo_d_model: int = size(cpu=256, gpu=768)
+    demo_n_head: int = size(cpu=4, gpu=12)
+    demo_vocab_size: int = size(cpu=4096, gpu=50304)
+    demo_block_size: int = size(cpu=256, gpu=1024)
+    shard_bytes: int = size(cpu=2_000_000, gpu=100_000_000)  # largest safetensors shard in the sharding demonstration
 
 
 @dataclass(frozen=True)
 class PitfallSizes:
-    """Chapter 8: the pitfalls and self-check demonstrations.
+    """Chapter 9: the pitfalls and self-check demonstrations.
 
     Each demonstration shows a behaviour, not a speed, so both profiles use the
     same tiny sizes; only the device changes.
@@ -131,7 +142,7 @@ class PitfallSizes:
 
 @dataclass(frozen=True)
 class LabSizes:
-    """Chapter 7: the lab's MLP on MNIST, its seven drills and its loader measurements.
+    """Chapter 8: the lab's MLP on MNIST, its seven drills and its loader measurements.
 
     MNIST is small enough that both profiles train the same model the same
     number of epochs; only the device and precision change.
@@ -150,7 +161,7 @@ class LabSizes:
     equivalence_steps: int = 20  # drill 4: optimizer steps compared update by update
     loader_batches: int = 50  # batches timed per DataLoader measurement
     slow_item_s: float = 0.0005  # per-image delay of the starved-loader demonstration
-    loader_workers: int = 2  # this machine has 2 cores
+    loader_workers: int = 2
 
 
 @dataclass(frozen=True)
@@ -175,16 +186,16 @@ class DeviceSizes:
     lr: float = 3e-3
     launch_timeout_s: float = 240.0  # a torchrun job that takes longer is killed
     # torch.compile: a small GPT, timed step by step, eager against compiled.
-    compile_n_layer: int = 1
-    compile_d_model: int = 64
-    compile_block_size: int = 64
-    compile_batch_size: int = 8
-    timed_steps: int = 20
+    compile_n_layer: int = size(cpu=1, gpu=6)
+    compile_d_model: int = size(cpu=64, gpu=384)
+    compile_block_size: int = size(cpu=64, gpu=256)
+    compile_batch_size: int = size(cpu=8, gpu=32)
+    timed_steps: int = size(cpu=20, gpu=50)
     # Activation checkpointing, profiler and MFU.
-    checkpoint_layers: int = 4
-    checkpoint_width: int = 256
-    checkpoint_batch: int = 64
-    matmul_size: int = 512  # square matmul whose measured rate is the reference for MFU
+    checkpoint_layers: int = size(cpu=4, gpu=8)
+    checkpoint_width: int = size(cpu=256, gpu=2048)
+    checkpoint_batch: int = size(cpu=64, gpu=512)
+    matmul_size: int = size(cpu=512, gpu=8192)  # square matmul whose measured rate is the reference for MFU
 
 
 @dataclass(frozen=True)
@@ -241,21 +252,17 @@ def make_profile(name: str) -> Profile:
                 "Render with the default cpu profile instead (quarto render), "
                 "which reuses or recomputes the small CPU results."
             )
+        cpu = make_profile("cpu")
         return Profile(
             name="gpu",
             device=device,
             autocast_dtype=torch.bfloat16,
-            lm=LanguageModelSizes(block_size=256, n_layer=6, n_head=6, d_model=384, dropout=0.2,
-                                  batch_size=64, max_steps=5000, lr=1e-3, min_lr=1e-4,
-                                  warmup_steps=100, eval_every=250, eval_batches=50, log_every=50,
-                                  sample_tokens=500),
-            data=DataSizes(vocab_size=8192, block_size=1024, batch_size=64, num_workers=4, timed_batches=1000, tutorial_timed_batches=100, starved_workers=4),
-            devices=DeviceSizes(compile_n_layer=6, compile_d_model=384, compile_block_size=256,
-                                compile_batch_size=32, timed_steps=50, checkpoint_layers=8,
-                                checkpoint_width=2048, checkpoint_batch=512, matmul_size=8192),
-            checkpoint=CheckpointSizes(steps=60, save_every=10, kill_after_checkpoint=3, demo_n_layer=12,
-                                       demo_d_model=768, demo_n_head=12, demo_vocab_size=50304, demo_block_size=1024,
-                                       shard_bytes=100_000_000),
+            lm=gpu_sizes(cpu.lm),
+            data=gpu_sizes(cpu.data),
+            checkpoint=gpu_sizes(cpu.checkpoint),
+            pitfalls=gpu_sizes(cpu.pitfalls),
+            lab=gpu_sizes(cpu.lab),
+            devices=gpu_sizes(cpu.devices),
         )
     raise ProfileError(f"unknown profile {name!r}; expected one of {PROFILE_NAMES}")
 
