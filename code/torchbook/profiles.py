@@ -21,6 +21,10 @@ import torch
 PROFILE_VARIABLE = "QUARTO_PROFILE"
 PROFILE_NAMES = ("cpu", "gpu")
 
+# The one spelling of a run's precision: the dtype its forward pass autocasts to.
+# "fp32" means no autocast; it is listed so every precision has a dtype.
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 class ProfileError(RuntimeError):
     """The requested profile cannot run on this machine."""
@@ -204,8 +208,7 @@ class Profile:
 
     name: str
     device: torch.device
-    # dtype for torch.autocast, or None to run in float32.
-    autocast_dtype: torch.dtype | None
+    precision: str  # a key of AUTOCAST_DTYPES
     lm: LanguageModelSizes = LanguageModelSizes()
     data: DataSizes = DataSizes()
     checkpoint: CheckpointSizes = CheckpointSizes()
@@ -213,6 +216,11 @@ class Profile:
     lab: LabSizes = LabSizes()
     devices: DeviceSizes = DeviceSizes()
     seed: int = 1337
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype for ``torch.autocast``, or None when the profile runs in float32."""
+        return None if self.precision == "fp32" else AUTOCAST_DTYPES[self.precision]
 
 
 def parse_profile(value: str | None) -> str:
@@ -240,10 +248,18 @@ def accelerator() -> torch.device | None:
     return None
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has finished its queued work, so a timer reads the work and not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 def make_profile(name: str) -> Profile:
     """Build the profile called ``name`` for this machine."""
     if name == "cpu":
-        return Profile(name="cpu", device=torch.device("cpu"), autocast_dtype=None)
+        return Profile(name="cpu", device=torch.device("cpu"), precision="fp32")
     if name == "gpu":
         device = accelerator()
         if device is None:
@@ -256,7 +272,7 @@ def make_profile(name: str) -> Profile:
         return Profile(
             name="gpu",
             device=device,
-            autocast_dtype=torch.bfloat16,
+            precision="bf16",
             lm=gpu_sizes(cpu.lm),
             data=gpu_sizes(cpu.data),
             checkpoint=gpu_sizes(cpu.checkpoint),
