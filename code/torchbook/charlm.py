@@ -1,17 +1,19 @@
 """A character-level language model on Tiny Shakespeare: the corpus, its batches, and one whole run.
 
-Chapter 3 trains this model live at the profile's sizes, and ``make
-gpu-results`` trains it at full size on a GPU; both go through
+Chapter 3 trains this model live at the profile's sizes, and
+``examples/gpu_results.py`` trains it at full size on a GPU; both go through
 ``train_char_lm`` so the live run and the stored one are the same experiment.
 
 The vocabulary is the set of characters in the text (65 for Tiny
 Shakespeare). The first 90% of the text trains, the rest validates. Training
 batches are random windows of ``block_size + 1`` characters drawn from a
-seeded generator (the input is the first ``block_size``, the target the same
-window shifted by one); validation uses fixed windows from its own seed, so
+seeded generator, every start from 0 to ``len - block_size - 1`` equally likely
+(the input is the first ``block_size``, the target the same window shifted by
+one); validation uses fixed windows from its own seed, so
 every evaluation scores the same text.
 
-It builds on ``torchbook.models`` (the GPT) and ``torchbook.train`` (the ``Trainer``).
+It builds on ``torchbook.models`` (the GPT) and ``torchbook.train`` (the ``Trainer``);
+the precision is one of ``torchbook.profiles.AUTOCAST_DTYPES``'s keys.
 """
 
 from __future__ import annotations
@@ -25,11 +27,10 @@ import torch
 from torch import Tensor
 
 from torchbook.models import GPT, GPTConfig
-from torchbook.profiles import LanguageModelSizes
+from torchbook.profiles import LanguageModelSizes, synchronize
 from torchbook.train import Trainer, TrainConfig
 
 VALIDATION_FRACTION = 0.1  # the last 10% of the text
-PRECISIONS = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,12 @@ def unigram_baseline(corpus: CharCorpus) -> float:
 def random_blocks(source: Tensor, block_size: int, batch_size: int,
                   generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor]]:
     """Endless (x, y) batches of random windows of ``source``; y is x shifted one position left."""
-    if len(source) <= block_size + 1:
+    if len(source) < block_size + 1:
         raise ValueError(f"random_blocks: {len(source)} tokens cannot hold a window of block_size + 1 = "
                          f"{block_size + 1}")
     offsets = torch.arange(block_size + 1)
-    while True:
-        starts = torch.randint(0, len(source) - block_size - 1, (batch_size, 1), generator=generator)
+    while True:  # randint's high is exclusive: the last window starts at len - block_size - 1
+        starts = torch.randint(0, len(source) - block_size, (batch_size, 1), generator=generator)
         window = source[starts + offsets]  # (batch_size, block_size + 1)
         yield window[:, :-1], window[:, 1:]
 
@@ -89,15 +90,15 @@ def fixed_batches(source: Tensor, block_size: int, batch_size: int, count: int,
     return [next(batches) for _ in range(count)]
 
 
-def build(corpus: CharCorpus, sizes: LanguageModelSizes, device: torch.device,
-          autocast_dtype: torch.dtype | None, seed: int) -> Trainer:
-    """The GPT and its Trainer at ``sizes``; the model's initialisation is drawn from ``seed``."""
+def build(corpus: CharCorpus, sizes: LanguageModelSizes, device: torch.device, precision: str,
+          seed: int) -> Trainer:
+    """The GPT and its Trainer at ``sizes`` in ``precision`` ("fp32", "bf16", "fp16"); weights drawn from ``seed``."""
     config = GPTConfig(vocab_size=len(corpus.vocabulary), block_size=sizes.block_size, n_layer=sizes.n_layer,
                        n_head=sizes.n_head, d_model=sizes.d_model, dropout=sizes.dropout)
     torch.manual_seed(seed)
     model = GPT(config).to(device)
     train_config = TrainConfig(max_steps=sizes.max_steps, lr=sizes.lr, min_lr=sizes.min_lr,
-                               warmup_steps=sizes.warmup_steps, precision=PRECISIONS[autocast_dtype],
+                               warmup_steps=sizes.warmup_steps, precision=precision,
                                eval_every=sizes.eval_every, log_every=sizes.log_every)
     return Trainer(model, train_config, device)
 
@@ -110,16 +111,15 @@ class CharLMRun:
     train_seconds: float
 
 
-def train_char_lm(corpus: CharCorpus, sizes: LanguageModelSizes, device: torch.device,
-                  autocast_dtype: torch.dtype | None, seed: int) -> CharLMRun:
-    """Build the model at ``sizes`` and train it with validation every ``eval_every`` steps."""
-    trainer = build(corpus, sizes, device, autocast_dtype, seed)
+def train_char_lm(corpus: CharCorpus, sizes: LanguageModelSizes, device: torch.device, precision: str,
+                  seed: int) -> CharLMRun:
+    """Build the model at ``sizes`` and train it in ``precision``, validating every ``eval_every`` steps."""
+    trainer = build(corpus, sizes, device, precision, seed)
     validation = fixed_batches(corpus.val_tokens, sizes.block_size, sizes.batch_size, sizes.eval_batches, seed + 1)
     batches = random_blocks(corpus.train_tokens, sizes.block_size, sizes.batch_size,
                             torch.Generator().manual_seed(seed))
     started = time.perf_counter()
     trainer.fit(batches, lambda: validation)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)  # the clock stops when the device has finished, not when the host has queued
     return CharLMRun(trainer=trainer, train_seconds=time.perf_counter() - started)
 
