@@ -180,3 +180,29 @@ def test_writing_a_metric_that_is_not_a_number_names_the_file(tmp_path, sources,
     with pytest.raises(ResultsError, match=r"lm-cpu\.json: metrics\['loss'\] must be a finite number"):
         write_result(tmp_path / "out" / "lm-cpu.json", "lm", "cpu", {"loss": metric}, {}, provenance)
     assert not (tmp_path / "out").exists()
+
+
+def replace_text(path: Path, old: str, new: str) -> Path:
+    """Edit the file's text directly: json.dumps could not write some of these documents."""
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ('"final_val_loss": 2.7', '"final_val_loss": 1' + "0" * 400, r"metrics\['final_val_loss'\] must be a finite"),
+        ('"wall_seconds": 1.5', '"wall_seconds": 1' + "0" * 400, r"provenance\['wall_seconds'\]"),
+        ('"final_val_loss": 2.7', '"final_val_loss": 1' + "0" * 5_000, "not valid JSON"),
+        ('"final_val_loss": 2.7', '"final_val_loss": ' + "[" * 2_000 + "]" * 2_000, "not valid JSON"),
+    ],
+    ids=["400-digit metric", "400-digit wall_seconds", "5000-digit metric", "nested 2000 deep"],
+)
+def test_a_number_too_large_or_nesting_too_deep_is_refused_naming_the_file(tmp_path, sources, old, new, expected):
+    # Each used to escape as OverflowError, ValueError or RecursionError, naming no file.
+    path = replace_text(write_example(tmp_path, sources), old, new)
+    with pytest.raises(ResultsError, match=expected) as caught:
+        read_result(path)
+    assert str(path) in str(caught.value)

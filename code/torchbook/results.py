@@ -158,9 +158,17 @@ def _as_float(value: Any) -> Any:
         return value
 
 
+def _is_finite_number(value: Any) -> bool:
+    """True for an int or float that a float can hold: 1e400 (inf) and a 400-digit int are not."""
+    try:
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def _numbers(value: Any, where: str, path: Path) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ResultsError(f"{path}: {where} must be a finite number, got {value!r}")
+    if not _is_finite_number(value):
+        raise ResultsError(f"{path}: {where} must be a finite number, got {value!r:.80}")
 
 
 def _validate(document: Any, path: Path) -> None:
@@ -201,10 +209,8 @@ def _validate(document: Any, path: Path) -> None:
         raise ResultsError(f"{path}: 'provenance' must be an object, got {type(provenance).__name__}")
     for key, kind in PROVENANCE_FIELDS.items():
         value = provenance.get(key)
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind):
-            raise ResultsError(f"{path}: provenance[{key!r}] must be {kind.__name__}, got {value!r}")
+        if kind is float and not _is_finite_number(value) or kind is not float and not isinstance(value, kind):
+            raise ResultsError(f"{path}: provenance[{key!r}] must be {kind.__name__}, got {value!r:.80}")
     for name, digest in provenance["sources"].items():
         if not isinstance(digest, str) or len(digest) != 64:
             raise ResultsError(f"{path}: provenance['sources'][{name!r}] must be a SHA-256 hex digest")
@@ -226,6 +232,8 @@ def read_result(path: str | Path) -> RunResult:
     except json.JSONDecodeError as error:
         raise ResultsError(f"{path}: not valid JSON ({error.msg} at line {error.lineno}); "
                            "was the write interrupted or the file edited by hand?") from None
+    except (ValueError, RecursionError) as error:  # an int of over 4,300 digits; nesting deeper than Python's stack
+        raise ResultsError(f"{path}: not valid JSON for a results file ({type(error).__name__}: {error})") from None
     _validate(document, path)
     return RunResult(path=path, run=document["run"], profile=document["profile"], metrics=document["metrics"],
                      history=document["history"], provenance=document["provenance"])
