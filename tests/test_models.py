@@ -1,4 +1,5 @@
-"""Tests for torchbook.models: shapes, causality, tied weights, buffers, attention, generation."""
+"""Tests for torchbook.models: shapes, causality, tied weights, buffers, attention, packing,
+activation checkpointing, generation."""
 
 from __future__ import annotations
 
@@ -165,10 +166,117 @@ def test_rope_scores_depend_only_on_the_distance_between_positions():
     assert not torch.allclose(q[distance] @ k[0], q[distance + 1] @ k[0], atol=1e-4)  # other distances differ
 
 
-def test_forward_equals_forward_reference():
+def test_one_document_per_row_through_the_mask_buffer_equals_is_causal():
+    # document_ids all 0: the boolean mask is the causal_mask buffer itself, so this
+    # runs SDPA with an explicit mask against SDPA's is_causal=True, through the whole model.
     model = make_model()
     idx = random_tokens(2, 12)
-    torch.testing.assert_close(model(idx), model.forward_reference(idx), atol=FLOAT32_ATOL, rtol=0)
+    one_document = torch.zeros_like(idx)
+    torch.testing.assert_close(model(idx), model(idx, document_ids=one_document), atol=FLOAT32_ATOL, rtol=0)
+
+
+def test_attention_mask_lets_a_query_see_earlier_keys_of_its_own_document_only():
+    document_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5]])
+    mask = make_model().attention_mask(document_ids)
+    assert mask.shape == (2, 1, 8, 8) and mask.dtype == torch.bool
+    for row in range(2):
+        for query in range(8):
+            for key in range(8):
+                allowed = key <= query and document_ids[row, key] == document_ids[row, query]
+                assert mask[row, 0, query, key].item() == allowed, (row, query, key)
+
+
+def packed_pair(lengths: tuple[int, ...] = (5, 7, 4)) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Documents of the given lengths, and one row packing them with position and document ids."""
+    documents = [random_tokens(1, n, seed=10 + i) for i, n in enumerate(lengths)]
+    idx = torch.cat(documents, dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    return documents, idx, position_ids, document_ids
+
+
+def test_each_packed_document_gets_the_logits_it_gets_alone():
+    model = make_model()
+    documents, idx, position_ids, document_ids = packed_pair()
+    packed = model(idx, position_ids=position_ids, document_ids=document_ids)
+    start = 0
+    for document in documents:
+        end = start + document.size(1)
+        # Masked keys get weight exactly 0; only the kernel's summation order differs.
+        torch.testing.assert_close(packed[:, start:end], model(document), atol=FLOAT32_ATOL, rtol=0)
+        start = end
+
+
+def test_without_the_document_mask_later_documents_see_earlier_ones():
+    model = make_model()
+    documents, idx, position_ids, _ = packed_pair()
+    unmasked = model(idx, position_ids=position_ids)
+    first = documents[0].size(1)
+    # The first document has nothing before it; the second attends to the first and changes.
+    torch.testing.assert_close(unmasked[:, :first], model(documents[0]), atol=FLOAT32_ATOL, rtol=0)
+    assert (unmasked[:, first : first + documents[1].size(1)] - model(documents[1])).abs().max() > 1e-3
+
+
+def test_position_ids_pick_each_tokens_rope_angles():
+    model = make_model()
+    idx = random_tokens(1, 6)
+    shifted = torch.arange(3, 9)[None]  # the same tokens read as if at positions 3..8
+    # With no document mask the absolute positions matter only through RoPE; shifting
+    # every position by 3 leaves relative distances, so the logits agree to rounding,
+    # while reversing the positions breaks causal order and changes them.
+    torch.testing.assert_close(model(idx, position_ids=shifted), model(idx), atol=1e-5, rtol=0)
+    reversed_positions = torch.arange(5, -1, -1)[None]
+    # At initialisation attention moves the logits only slightly (weights of std 0.02), so
+    # the change is about 4e-4: small, but 400 times the rounding bound above would allow.
+    assert (model(idx, position_ids=reversed_positions) - model(idx)).abs().max() > 100 * FLOAT32_ATOL
+
+
+def test_position_or_document_ids_of_another_shape_are_refused():
+    idx = random_tokens(2, 6)
+    with pytest.raises(ValueError, match=r"position_ids/document_ids of the same shape.*\[\(6,\)\]"):
+        make_model()(idx, position_ids=torch.arange(6))
+
+
+def saved_activation_bytes(model: GPT, idx: torch.Tensor) -> int:
+    """Bytes autograd saves for backward in one forward pass, each storage once, parameters left out."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(idx).float().square().mean().backward()
+    return sum(saved.values())
+
+
+def gradients_after_one_backward(checkpointing: bool) -> list[torch.Tensor]:
+    config = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, d_model=32, dropout=0.1,
+                       activation_checkpointing=checkpointing)
+    model = make_model(config).train()  # training, with dropout: the recomputed masks must match
+    idx = random_tokens(3, 16)
+    torch.manual_seed(123)  # the same dropout draws for both runs
+    F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_activation_checkpointing_gives_bitwise_equal_gradients():
+    # Bitwise: the recomputed forward runs the same kernels on the same inputs, and
+    # checkpoint restores the RNG state, so dropout draws the same masks again.
+    plain, recomputed = gradients_after_one_backward(False), gradients_after_one_backward(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, recomputed))
+
+
+def test_activation_checkpointing_saves_fewer_activations():
+    idx = random_tokens(4, 16)
+    plain = saved_activation_bytes(make_model().train(), idx)
+    config = GPTConfig(**{**vars(CONFIG), "activation_checkpointing": True})
+    checkpointed = saved_activation_bytes(make_model(config).train(), idx)
+    # Each block keeps only its input (B, T, d_model) instead of a dozen tensors of that size or more.
+    assert checkpointed < plain / 2, (checkpointed, plain)
 
 
 def test_derived_buffers_are_not_in_state_dict():
@@ -268,12 +376,12 @@ def test_generate_top_k_1_is_greedy():
 
 
 def test_too_long_input_raises_a_clear_error():
-    with pytest.raises(ValueError, match=r"idx has 17 positions but block_size is 16"):
+    with pytest.raises(ValueError, match=r"time <= block_size=16.*got idx torch.int64 \(1, 17\)"):
         make_model()(random_tokens(1, CONFIG.block_size + 1))
 
 
 def test_float_input_raises_a_clear_error():
-    with pytest.raises(ValueError, match=r"idx must hold integer token ids.*float32"):
+    with pytest.raises(ValueError, match=r"idx must be int64/int32 token ids.*got idx torch.float32"):
         make_model()(torch.zeros(1, 4))
 
 
@@ -326,8 +434,8 @@ SHOWN_BLOCK = re.compile(
 def test_chapter_2_shows_models_py_pieces_verbatim():
     blocks = SHOWN_BLOCK.findall(CHAPTER_2.read_text(encoding="utf-8"))
     source = MODELS_PATH.read_text(encoding="utf-8")
-    shown = {name for name in ("class CausalSelfAttention", "class Block", "def _forward", "class TinyMLP")
-             if any(name in block for block in blocks)}
-    assert shown == {"class CausalSelfAttention", "class Block", "def _forward", "class TinyMLP"}, shown
+    pieces = {"class CausalSelfAttention", "class Block", "    def forward(\n        self, idx", "class TinyMLP"}
+    shown = {name for name in pieces if any(name in block for block in blocks)}
+    assert shown == pieces, shown
     stale = [block.splitlines()[0] for block in blocks if block not in source]
     assert not stale, f"chapter 2 shows code that is not in models.py as written: {stale}"

@@ -11,6 +11,16 @@ Positions enter through rotary position embeddings (RoPE) applied to queries and
 keys, so the model has no position-embedding parameters. ``forward`` returns
 logits only: the training loop computes the loss itself, in float32.
 
+Two options serve LLM training at scale:
+
+- Packed sequences: ``forward(idx, position_ids=..., document_ids=...)`` takes
+  rows that hold several documents. Positions restart at 0 in each document
+  (RoPE reads them) and attention stays inside each document (a block-diagonal
+  causal mask), so each document is computed as if it were alone.
+- ``GPTConfig(activation_checkpointing=True)`` keeps only each block's input
+  during the forward pass and recomputes the block in the backward pass:
+  less activation memory for one more forward.
+
 Token ids outside ``[0, vocab_size)`` are refused with an error naming the id
 when ``idx`` is on the CPU. On an accelerator they are not checked here:
 reading the ids back to decide would stall the device at every step, so check
@@ -29,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 # Standard deviation of every weight at initialisation (GPT-2's choice): small
 # enough that the first logits are nearly uniform, so the first loss is close to
@@ -51,6 +62,7 @@ class GPTConfig:
     n_head: int
     d_model: int
     dropout: float = 0.0
+    activation_checkpointing: bool = False  # recompute each block in backward: memory for time
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
@@ -131,7 +143,7 @@ def masked_softmax_attention(
     ``mask`` is boolean, True where a query may look at a key. This is the
     textbook computation that ``F.scaled_dot_product_attention(..., is_causal=True)``
     replaces with a fused kernel that never materialises the (T, T) scores; it is
-    kept as a reference to test against and to read.
+    the reference that tests and chapters compare SDPA with.
     """
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -151,14 +163,13 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        causal_mask: torch.Tensor | None = None,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """(B, T, d_model) -> (B, T, d_model).
 
-        With ``causal_mask=None`` (the normal path) attention is
-        ``F.scaled_dot_product_attention(is_causal=True)``; given a boolean (T, T)
-        mask it runs ``masked_softmax_attention`` instead, the reference path.
+        Without ``attn_mask``, SDPA applies the causal mask itself (``is_causal=True``)
+        and no (T, T) tensor exists; a boolean ``attn_mask`` (True = may attend)
+        replaces it, for packed rows.
         """
         batch, steps, width = x.shape
         # (B, T, 3*C) -> (3, B, H, T, head_size): one matmul for q, k and v.
@@ -166,10 +177,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout_p = self.dropout if self.training else 0.0
-        if causal_mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-        else:
-            y = masked_softmax_attention(q, k, v, causal_mask, dropout_p, self.training)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, dropout_p=dropout_p
+        )
         y = y.transpose(1, 2).reshape(batch, steps, width)  # heads back side by side
         return self.resid_dropout(self.proj(y))
 
@@ -198,12 +208,11 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        causal_mask: torch.Tensor | None = None,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         # Pre-norm: each sublayer reads a normalised copy of x and adds its output
         # back; the residual stream x itself is never normalised inside the block.
-        x = x + self.attn(self.ln_attn(x), cos, sin, causal_mask)
+        x = x + self.attn(self.ln_attn(x), cos, sin, attn_mask)
         return x + self.mlp(self.ln_mlp(x))
 
 
@@ -213,10 +222,10 @@ class GPT(nn.Module):
     Buffers, all registered with ``persistent=False``:
 
     - ``causal_mask`` (block_size, block_size), bool, True on and below the
-      diagonal. SDPA's ``is_causal=True`` does not need it; ``forward_reference``
-      uses it. It is not saved in ``state_dict`` because it is a pure function of
-      ``block_size``: the config rebuilds it, and a checkpoint that carried it
-      would only be larger and could disagree with the config.
+      diagonal. SDPA's ``is_causal=True`` does not need it; packed rows do
+      (``attention_mask``). It is not saved in ``state_dict`` because it is a pure
+      function of ``block_size``: the config rebuilds it, and a checkpoint that
+      carried it would only be larger and could disagree with the config.
     - ``rope_cos`` and ``rope_sin`` (block_size, head_size), float32: RoPE's
       tables, also derived from the config, so also not saved.
 
@@ -273,52 +282,54 @@ class GPT(nn.Module):
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=std)
             nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=std)
 
-    def _check_idx(self, idx: torch.Tensor) -> None:
-        if idx.dtype not in (torch.int64, torch.int32):
+    def forward(
+        self, idx: torch.Tensor, position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab_size) for token ids ``idx`` (B, T), T <= block_size.
+
+        For packed rows, ``position_ids`` (B, T) restart at 0 in each document and
+        ``document_ids`` (B, T) say which document each token belongs to. No loss
+        here: the training loop computes cross-entropy in float32 even under autocast.
+        """
+        packing = [tuple(ids.shape) for ids in (position_ids, document_ids) if ids is not None]
+        if idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2 or idx.size(1) > self.config.block_size \
+                or any(shape != tuple(idx.shape) for shape in packing):
             raise ValueError(
-                f"GPT.forward: idx must hold integer token ids (int64 or int32), got dtype {idx.dtype}"
-            )
-        if idx.dim() != 2:
-            raise ValueError(
-                f"GPT.forward: idx must be 2-D (batch, time), got shape {tuple(idx.shape)}"
-            )
-        if idx.size(1) > self.config.block_size:
-            raise ValueError(
-                f"GPT.forward: idx has {idx.size(1)} positions but block_size is "
-                f"{self.config.block_size}; crop the context to its last block_size tokens"
+                f"GPT.forward: idx must be int64/int32 token ids of shape (batch, time) with time <= "
+                f"block_size={self.config.block_size}, and position_ids/document_ids of the same shape; "
+                f"got idx {idx.dtype} {tuple(idx.shape)}, position_ids/document_ids {packing}"
             )
         # Only on the CPU, where reading the ids costs no device sync; under
         # torch.compile the generated kernel checks its own indices.
         if idx.device.type == "cpu" and not torch.compiler.is_compiling():
             check_token_ids(idx, self.config.vocab_size, where="GPT.forward: idx")
+        if position_ids is None:
+            cos, sin = self.rope_cos[: idx.size(1)], self.rope_sin[: idx.size(1)]  # positions 0..T-1
+        else:  # each token's own position; (B, 1, T, head_size) broadcasts over the heads
+            cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)
+        attn_mask = None if document_ids is None else self.attention_mask(document_ids)
+        recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
 
-    def _forward(self, idx: torch.Tensor, causal_mask: torch.Tensor | None) -> torch.Tensor:
-        self._check_idx(idx)
-        steps = idx.size(1)
-        cos, sin = self.rope_cos[:steps], self.rope_sin[:steps]  # RoPE angles, positions 0..T-1
         x = self.dropout(self.token_embedding(idx))  # (B, T, d_model), no position embedding
         for block in self.blocks:
-            x = block(x, cos, sin, causal_mask)
+            if recompute:  # keep only x; rerun the block during backward
+                x = checkpoint(block, x, cos, sin, attn_mask, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, attn_mask)
         # lm_head shares token_embedding's weight (tied): each logit is the dot product
         # of the final hidden state with one token's embedding.
         return self.lm_head(self.ln_final(x))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, vocab_size) for token ids ``idx`` (B, T), T <= block_size.
+    def attention_mask(self, document_ids: torch.Tensor) -> torch.Tensor:
+        """(B, 1, T, T) bool for packed rows: a query sees earlier keys of its own document only.
 
-        No loss here: the training loop computes cross-entropy in float32 even
-        when this runs under autocast.
+        Block-diagonal and causal: the ``causal_mask`` buffer AND "same document".
+        The middle dimension of size 1 broadcasts over the heads.
         """
-        return self._forward(idx, causal_mask=None)
-
-    def forward_reference(self, idx: torch.Tensor) -> torch.Tensor:
-        """The same computation with explicit masked-softmax attention and ``causal_mask``.
-
-        Slower (it builds every (T, T) score matrix); it exists to check that
-        SDPA's ``is_causal=True`` means what the mask says.
-        """
-        steps = idx.size(1) if idx.dim() == 2 else 0
-        return self._forward(idx, causal_mask=self.causal_mask[:steps, :steps])
+        steps = document_ids.size(1)
+        same_document = document_ids[:, :, None] == document_ids[:, None, :]
+        return (self.causal_mask[:steps, :steps] & same_document).unsqueeze(1)
 
     @torch.inference_mode()
     def generate(
@@ -340,7 +351,6 @@ class GPT(nn.Module):
             raise ValueError(f"GPT.generate: temperature must be > 0, got {temperature}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"GPT.generate: top_k must be >= 1 or None, got {top_k}")
-        self._check_idx(idx[:, -self.config.block_size:] if idx.dim() == 2 else idx)
         sample_device = generator.device if generator is not None else idx.device
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size:]
