@@ -104,3 +104,109 @@ def test_diagnostics_refuse_the_wrong_number_of_axes_naming_the_argument(close_f
 def test_diagnostics_refuse_an_empty_history(close_figures):
     with pytest.raises(ValueError, match="history is empty"):
         plot_diagnostics([])
+
+
+# The pictures of chapters 1 and 2: strides, broadcasting and the module tree.
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from torchbook.plotting import (  # noqa: E402
+    BUFFER_COLOUR, PARAMETER_COLOUR, SAVED_BUFFER_COLOUR, STRETCHED_COLOUR, broadcast_shape,
+    plot_broadcasting, plot_memory_layout, plot_module_tree, storage_positions,
+)
+
+
+def texts_of(ax) -> list[str]:
+    return [text.get_text() for text in ax.texts]
+
+
+def test_storage_positions_match_where_torch_reads_each_element():
+    # A view of arange holds, at each index, the number of its storage position:
+    # an independent record of where torch itself reads every element.
+    storage = torch.arange(60)
+    view = storage.view(3, 4, 5).permute(1, 0, 2)[1:, :, ::2]
+    assert storage_positions(view.shape, view.stride(), view.storage_offset()) == view.flatten().tolist()
+
+
+def strip_values(ax, rows: int) -> list[str]:
+    """The storage strip's labels, left to right (the strip is drawn at y = -rows - 0.1)."""
+    strip = [text for text in ax.texts if abs(text.get_position()[1] - (-rows - 0.1)) < 1e-9
+             and text.get_text() != "storage"]
+    return [text.get_text() for text in sorted(strip, key=lambda text: text.get_position()[0])]
+
+
+def test_memory_path_walks_rows_of_a_tensor_and_columns_of_its_transpose(close_figures):
+    matrix = torch.arange(6).view(2, 3)
+    figure = plot_memory_layout({"m": matrix, "m.t()": matrix.t()})
+    row_path, column_path = (ax.get_lines()[0] for ax in figure.axes)
+    assert list(row_path.get_xdata()) == [0.5, 1.5, 2.5, 0.5, 1.5, 2.5]  # along each row
+    assert list(column_path.get_xdata()) == [0.5, 0.5, 0.5, 1.5, 1.5, 1.5]  # down each column
+    assert "m.t(): shape (3, 2), stride (1, 3)" == figure.axes[1].get_title(loc="left")
+
+
+def test_a_view_shares_the_storage_strip_and_a_copy_reorders_its_own(close_figures):
+    matrix = torch.arange(6).view(2, 3)
+    view_ax, copy_ax = plot_memory_layout({"view": matrix.t(), "copy": matrix.t().contiguous()}).axes
+    assert strip_values(view_ax, rows=3) == ["0", "1", "2", "3", "4", "5"]
+    assert strip_values(copy_ax, rows=3) == ["0", "3", "1", "4", "2", "5"]
+
+
+def test_memory_layout_refuses_four_dimensions_naming_the_tensor(close_figures):
+    with pytest.raises(ValueError, match="'big' has shape \\(1, 1, 1, 1\\)"):
+        plot_memory_layout({"big": torch.zeros(1, 1, 1, 1)})
+
+
+@pytest.mark.parametrize("shapes", [((4, 4), (2, 2, 4, 4)), ((8,), (2, 4, 8)), ((2, 4, 1), (2, 4, 8)),
+                                    ((3, 1), (1, 5)), ((1,), ())])
+def test_broadcast_shape_agrees_with_torch(shapes):
+    assert broadcast_shape(*shapes) == tuple(torch.broadcast_shapes(*shapes))
+
+
+def test_broadcast_shape_refuses_sizes_that_differ_naming_the_dimension():
+    with pytest.raises(ValueError, match="sizes \\[3, 4\\] in dimension -1"):
+        broadcast_shape((2, 3), (4,))
+
+
+def test_broadcasting_picture_marks_stretched_dimensions_and_the_result(close_figures):
+    figure = plot_broadcasting({"scale": [("inv_rms", (2, 4, 1)), ("x", (2, 4, 8))],
+                                "mask": [("mask", (4, 4)), ("scores", (2, 2, 4, 4))]})
+    scale_ax, mask_ax = figure.axes
+    assert "1→8" in texts_of(scale_ax) and texts_of(mask_ax).count("·→2") == 2
+    stretched = [patch for patch in scale_ax.patches if patch.get_facecolor()[:3] == matplotlib.colors.to_rgb(
+        STRETCHED_COLOUR)]
+    assert len(stretched) == 1  # only inv_rms's last dimension stretches
+    result_row = [text for text in texts_of(mask_ax)][-8:-4]  # the result row, before the column numbers
+    assert result_row == ["2", "2", "4", "4"]
+
+
+class TiedWithBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(3))
+        self.head = nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("mask", torch.ones(2, 2, dtype=torch.bool), persistent=False)
+        self.register_buffer("running", torch.zeros(3))
+
+
+def test_module_tree_colours_parameters_and_both_kinds_of_buffer(close_figures):
+    tree_ax = plot_module_tree(TiedWithBuffers()).axes[0]
+    colour_of = {text.get_text(): text.get_color() for text in tree_ax.texts}
+    assert colour_of["mask 2×2 bool"] == BUFFER_COLOUR  # persistent=False: not in state_dict
+    assert colour_of["running 3"] == SAVED_BUFFER_COLOUR
+    assert colour_of["weight 5×3"] == PARAMETER_COLOUR
+    assert "weight 5×3 = embed.weight" in colour_of  # the head's weight is the embedding's
+
+
+def test_module_tree_counts_a_tied_weight_once_and_collapses_repeated_layers(close_figures):
+    model = TiedWithBuffers()
+    tree_ax, count_ax = plot_module_tree(model).axes
+    counts = [text.get_text().strip() for text in count_ax.texts]
+    assert counts[0] == f"{sum(p.numel() for p in model.parameters()):,}" == "51"  # 15 + 3 * 12, tie once
+    assert "1–2" in [text.get_text().strip() for text in tree_ax.texts]
+    assert "2 × Linear" in texts_of(tree_ax)
+    assert not any(text.strip() == "2" for text in texts_of(tree_ax))  # layers.2 is folded into 1–2
+    expanded = plot_module_tree(model, collapse_repeats=False).axes[0]
+    assert "2" in [text.get_text().strip() for text in expanded.texts]
