@@ -1,11 +1,16 @@
-"""Tests for chat examples: prompt masking, padding with an attention mask, packing."""
+"""Tests for chat examples: prompt masking, padding with an attention mask, packing (cut, or whole documents)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from torchbook.chat import IGNORE_INDEX, ChatTemplate, PadCollate, chat_example, pack_examples, render_chat
+import torch.nn.functional as F
+
+from torchbook.chat import (
+    IGNORE_INDEX, ChatTemplate, PadCollate, chat_example, pack_documents, pack_examples, render_chat,
+)
+from torchbook.models import GPT, GPTConfig
 
 
 def char_encode(text):
@@ -74,6 +79,74 @@ def test_packing_keeps_every_token_in_order_and_reports_the_tail():
 def test_packing_refuses_data_shorter_than_one_block():
     with pytest.raises(ValueError, match="block_size=1000"):
         pack_examples([chat_example(MESSAGES[:2], char_encode)], block_size=1000)
+
+
+def documents(lengths, seed=0, vocab_size=50):
+    """Plain documents of the given lengths: every token is learned (labels = input_ids)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    return [{"input_ids": d, "labels": d} for d in ids]
+
+
+def test_pack_documents_keeps_each_example_whole_with_positions_from_0_and_next_token_targets():
+    examples = [chat_example(MESSAGES[:2], char_encode), chat_example(MESSAGES[2:], char_encode)] + documents((9, 30))
+    packed = pack_documents(examples, row_length=100)
+    for index, example in enumerate(examples):
+        row, columns = (packed["document_ids"] == index).nonzero(as_tuple=True)
+        n = len(example["input_ids"])
+        assert len(set(row.tolist())) == 1 and columns.tolist() == list(range(columns[0], columns[0] + n))
+        at = (row[0], columns)
+        assert packed["tokens"][at].tolist() == example["input_ids"]
+        assert packed["position_ids"][at].tolist() == list(range(n))
+        # The target of a token is the next token's label; the last token's next token is another example's.
+        assert packed["targets"][at].tolist() == example["labels"][1:] + [IGNORE_INDEX]
+
+
+def test_pack_documents_fills_rows_first_fit_and_pads_the_rest():
+    packed = pack_documents(documents((6, 5, 3, 4)), row_length=10, pad_id=7)
+    # First fit: 6 and 3 share the first row, 5 and 4 the second; one pad ends each.
+    assert packed["document_ids"].tolist() == [[0] * 6 + [2] * 3 + [-1], [1] * 5 + [3] * 4 + [-1]]
+    padding = packed["document_ids"] == -1
+    assert (packed["tokens"][padding] == 7).all() and (packed["targets"][padding] == IGNORE_INDEX).all()
+
+
+def test_pack_documents_refuses_an_example_longer_than_a_row_naming_it():
+    with pytest.raises(ValueError, match=r"example 1 has 12 tokens, more than row_length=10"):
+        pack_documents(documents((4, 12)), row_length=10)
+
+
+def per_document_losses(lengths=(7, 12, 5, 9, 3), row_length=16, mask=True):
+    """Each document's mean loss packed (with or without the document mask) and alone, by a small GPT."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, block_size=row_length, n_layer=2, n_head=2, d_model=32)).eval()
+    examples = documents(lengths)
+    packed = pack_documents(examples, row_length=row_length)
+    document_ids = packed["document_ids"] if mask else None
+    logits = model(packed["tokens"], position_ids=packed["position_ids"], document_ids=document_ids)
+    token_losses = F.cross_entropy(logits.flatten(0, 1), packed["targets"].flatten(), reduction="none")
+    packed_losses, alone_losses = [], []
+    for index, example in enumerate(examples):
+        learned = (packed["document_ids"].flatten() == index) & (packed["targets"].flatten() != IGNORE_INDEX)
+        packed_losses.append(token_losses[learned].mean())
+        ids = torch.tensor([example["input_ids"]])
+        alone_losses.append(F.cross_entropy(model(ids)[0, :-1], ids[0, 1:]))
+    return torch.stack(packed_losses), torch.stack(alone_losses)
+
+
+def test_each_documents_loss_packed_equals_its_loss_alone():
+    packed, alone = per_document_losses()
+    # 1e-6: masked keys weigh exactly 0, so only float32 summation order differs
+    # (SDPA over a longer row with a mask), a few ulps of losses near log(50) = 3.9.
+    torch.testing.assert_close(packed, alone, atol=1e-6, rtol=0)
+
+
+def test_without_the_document_mask_every_document_after_the_first_in_its_row_changes():
+    packed, alone = per_document_losses(mask=False)
+    # First fit in rows of 16: 7, 5 and 3 share row 0; 12 opens row 1; 9 (4 left in each) opens row 2.
+    starts_a_row = torch.tensor([True, True, False, True, False])
+    gap = (packed - alone).abs()
+    assert (gap[starts_a_row] < 1e-6).all(), gap  # nothing before them to see
+    assert (gap[~starts_a_row] > 1e-4).all(), gap  # they attend to the documents before them
 
 
 def test_collate_output_trains_only_on_answers():

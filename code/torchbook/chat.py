@@ -9,13 +9,17 @@ Labels sit on the same positions as ``input_ids`` (Hugging Face's convention);
 shift by one when computing the loss: ``x = input_ids[:, :-1]``,
 ``y = labels[:, 1:]``.
 
-Two ways to batch examples of different lengths:
+Three ways to batch examples of different lengths:
 
 - ``PadCollate`` pads each batch to its longest example and returns an
   ``attention_mask`` (1 = real token, 0 = padding); padded labels are -100.
 - ``pack_examples`` concatenates examples and cuts fixed blocks: no padding
   is wasted, but a block can hold the end of one conversation and the start
   of the next, so attention crosses between them unless the model masks it.
+- ``pack_documents`` places whole examples side by side in rows and says
+  where each one lies (``position_ids`` restarting at 0, ``document_ids``), so
+  a model that masks attention per document (``GPT.forward(idx, position_ids=...,
+  document_ids=...)``) computes each example exactly as if it were alone.
 """
 
 from __future__ import annotations
@@ -116,3 +120,46 @@ def pack_examples(examples: Sequence[dict], block_size: int) -> dict[str, torch.
         "labels": labels[:used].view(n_blocks, block_size),
         "dropped_tokens": torch.tensor(len(ids) - used),
     }
+
+
+def pack_documents(examples: Sequence[dict], row_length: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Place whole examples side by side in rows of ``row_length`` tokens (first fit, in order).
+
+    Returns (rows, row_length) tensors: ``tokens``; ``targets``, the label of the
+    next token of the same example, so ``cross_entropy(logits, targets)`` needs
+    no shift, and IGNORE_INDEX at each example's last token, whose next token
+    belongs to another example; ``position_ids``, restarting at 0 in each
+    example; ``document_ids``, the example's index in ``examples``, and -1 on
+    the padding that ends a row no example fits into.
+    """
+    rows: list[list[int]] = []  # indices of the examples in each row
+    free: list[int] = []  # tokens still free in each row
+    for index, example in enumerate(examples):
+        length = len(example["input_ids"])
+        if length > row_length:
+            raise ValueError(f"example {index} has {length} tokens, more than row_length={row_length}; "
+                             "split or truncate it first, or make rows longer")
+        row = next((r for r, space in enumerate(free) if space >= length), len(rows))
+        if row == len(rows):
+            rows.append([])
+            free.append(row_length)
+        rows[row].append(index)
+        free[row] -= length
+
+    shape = (len(rows), row_length)
+    tokens = torch.full(shape, pad_id, dtype=torch.long)
+    targets = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    document_ids = torch.full(shape, -1, dtype=torch.long)
+    for row, indices in enumerate(rows):
+        start = 0
+        for index in indices:
+            ids, labels = examples[index]["input_ids"], examples[index]["labels"]
+            end = start + len(ids)
+            tokens[row, start:end] = torch.as_tensor(ids)
+            targets[row, start : end - 1] = torch.as_tensor(labels[1:])
+            position_ids[row, start:end] = torch.arange(len(ids))
+            document_ids[row, start:end] = index
+            start = end
+        position_ids[row, start:] = torch.arange(row_length - start)  # the padding reads as one more document
+    return {"tokens": tokens, "targets": targets, "position_ids": position_ids, "document_ids": document_ids}
