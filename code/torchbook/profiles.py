@@ -203,6 +203,24 @@ class DeviceSizes:
 
 
 @dataclass(frozen=True)
+class MemorySizes:
+    """Chapter 7: the GPT whose memory and FLOPs are predicted and measured.
+
+    The cpu sizes keep each measured step under a second on one thread; the gpu
+    sizes are GPT-2 small (124M parameters) at GPT-2's vocabulary and contexts.
+    """
+
+    vocab_size: int = size(cpu=256, gpu=50304)
+    n_layer: int = size(cpu=2, gpu=12)
+    n_head: int = size(cpu=4, gpu=12)
+    d_model: int = size(cpu=128, gpu=768)
+    batch_size: int = size(cpu=4, gpu=8)  # rows per step
+    seq_lens: tuple[int, ...] = size(cpu=(64, 128, 256, 512), gpu=(256, 512, 1024, 2048))  # contexts compared
+    timed_steps: int = size(cpu=3, gpu=20)  # training steps timed for tokens per second
+    matmul_size: int = size(cpu=1024, gpu=8192)  # square matmul whose measured rate is the peak for MFU
+
+
+@dataclass(frozen=True)
 class Profile:
     """Device and run sizes for one profile. Chapters read these; none hard-codes its own."""
 
@@ -215,6 +233,7 @@ class Profile:
     pitfalls: PitfallSizes = PitfallSizes()
     lab: LabSizes = LabSizes()
     devices: DeviceSizes = DeviceSizes()
+    memory: MemorySizes = MemorySizes()
     seed: int = 1337
 
     @property
@@ -279,6 +298,7 @@ def make_profile(name: str) -> Profile:
             pitfalls=gpu_sizes(cpu.pitfalls),
             lab=gpu_sizes(cpu.lab),
             devices=gpu_sizes(cpu.devices),
+            memory=gpu_sizes(cpu.memory),
         )
     raise ProfileError(f"unknown profile {name!r}; expected one of {PROFILE_NAMES}")
 
