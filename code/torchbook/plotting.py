@@ -357,3 +357,33 @@ def plot_module_tree(model: "nn.Module", collapse_repeats: bool = True) -> Figur
     count_ax.xaxis.set_major_formatter("{x:,.0f}")
     count_ax.spines[["top", "right", "left"]].set_visible(False)
     return figure
+
+
+def plot_memory_by_kind(
+    seq_lens: Sequence[int], predicted: Mapping[str, Sequence[float]],
+    measured: Mapping[str, Sequence[float]] | None = None, ax: Axes | None = None,
+) -> Axes:
+    """Stacked bars of predicted training memory (MB) per kind against sequence length.
+
+    ``predicted`` maps a kind ("parameters", "activations", ...) to bytes, one per
+    sequence length, stacked in the order given; ``measured`` maps a label to
+    bytes drawn as markers over the bars, so a reader sees prediction and
+    measurement in one place.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.5, 3.6))
+    positions = range(len(seq_lens))
+    bottom = [0.0] * len(seq_lens)
+    for kind, values in predicted.items():
+        heights = [value / 1e6 for value in values]
+        ax.bar(positions, heights, bottom=bottom, width=0.6, label=f"{kind} (predicted)")
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for (label, values), marker in zip((measured or {}).items(), ("o", "D", "s")):
+        ax.plot(positions, [value / 1e6 for value in values], marker, color="black", markersize=6,
+                markerfacecolor="white", label=label)
+    ax.set_xticks(list(positions), [f"{steps:,}" for steps in seq_lens])
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("memory (MB)")
+    ax.legend(fontsize=8, frameon=False, loc="upper left")
+    ax.spines[["top", "right"]].set_visible(False)
+    return ax
