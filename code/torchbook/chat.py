@@ -20,6 +20,8 @@ Three ways to batch examples of different lengths:
   where each one lies (``position_ids`` restarting at 0, ``document_ids``), so
   a model that masks attention per document (``GPT.forward(idx, position_ids=...,
   document_ids=...)``) computes each example exactly as if it were alone.
+
+It builds on ``torchbook.train`` for ``IGNORE_INDEX``, the label the training loss skips.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from typing import Callable, Sequence
 
 import torch
 
-IGNORE_INDEX = -100  # cross_entropy's default ignore_index
+from torchbook.train import IGNORE_INDEX  # -100, cross_entropy's default ignore_index
+
 ROLES = ("user", "assistant")
 
 
