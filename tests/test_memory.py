@@ -47,9 +47,10 @@ def measured_activations(config: GPTConfig, shape: TrainingShape) -> int:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_saved_activations_match_the_hook_count_exactly(precision, checkpointing, dropout):
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_saved_activations_match_the_hook_count_exactly(precision, checkpointing, dropout, batch_size):
     config = replace(CONFIG, dropout=dropout, activation_checkpointing=checkpointing)
-    shape = replace(SHAPE, precision=precision, checkpointing=checkpointing)
+    shape = replace(SHAPE, batch_size=batch_size, precision=precision, checkpointing=checkpointing)
     # Exact: the formula names every saved tensor of this model; a missed one is a wrong formula.
     assert predict_memory(config, shape).activations == measured_activations(config, shape)
 

@@ -130,12 +130,15 @@ def activation_terms(config: GPTConfig, shape: TrainingShape) -> dict[str, int]:
 
     - 2 x 4C: the float32 inputs of its two LayerNorms (the residual stream), and
       4 x 4 bytes of their means and inverse standard deviations;
-    - a·16C: the inputs of the four Linear layers (C, C, C, 4C), the qkv output (3C,
-      v is a view of it), RoPE-rotated q and k (2C), attention's output (C, the
-      projection reads it as a view) and the fc output GELU needs (4C);
-    - fused attention: 4H, one float32 logsumexp per query and head; or, on the
-      CPU's math path (dropout on), q, k, v copies (3 x 4C) and three float32
-      (T, T) tensors per head: softmax output, dropout mask, dropped weights;
+    - a·10C: the normalised inputs of the qkv and fc Linears (C each), the fc
+      output GELU needs (4C) and the GELU output the second Linear needs (4C);
+    - fused attention, a·6C + 4H: the qkv output (3C; v is a view of it),
+      RoPE-rotated q and k (2C), attention's output (C; the projection reads it
+      as a view) and one float32 logsumexp per query and head;
+    - or the CPU's math path (attention dropout on): float32 q, k, v (3 x 4C),
+      three float32 (T, T) tensors per head (softmax output, dropout mask,
+      dropped weights: 3 x 4HT) and the output (aC); 2 x 4C more for a single
+      float32 row, measured: there its reshapes are views and it keeps both;
     - with dropout, two masks of C (the input's dtype on the CPU, 1-byte bools on CUDA).
 
     Outside the blocks: the token ids, the embedding's dropout mask, the final
@@ -151,13 +154,14 @@ def activation_terms(config: GPTConfig, shape: TrainingShape) -> dict[str, int]:
     low = AUTOCAST_DTYPES[shape.precision].itemsize
     dropout = config.dropout > 0
     mask = (1 if shape.device_type == "cuda" else low) if dropout else 0  # bytes per element of a dropout mask
-    math_path = dropout and shape.device_type == "cpu"
-    if math_path:
+    if dropout and shape.device_type == "cpu":  # SDPA's math path
         attention = 3 * FP32 * width + 3 * FP32 * heads * steps + low * width
-    else:
-        attention = low * 3 * width + low * 2 * width + low * width + FP32 * heads
+        if shape.batch_size == 1 and low == FP32:  # one float32 row: its reshapes are views, two more C kept
+            attention += 2 * FP32 * width
+    else:  # a fused kernel
+        attention = low * 6 * width + FP32 * heads
     block = (2 * FP32 * width + 4 * FP32  # LayerNorm inputs and statistics
-             + low * (width + width + MLP_EXPANSION * width + MLP_EXPANSION * width)  # Linear inputs, GELU input
+             + low * (2 * width + 2 * MLP_EXPANSION * width)  # qkv and fc inputs, fc and GELU outputs
              + attention + 2 * mask * width)
     if shape.checkpointing:
         block = FP32 * width
@@ -366,6 +370,31 @@ def matmul_flops_per_second(size: int, device: torch.device, dtype: torch.dtype 
     return 2 * size ** 3 / best
 
 
+def throughput_metrics(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor,
+                       targets: torch.Tensor, precision: str, steps: int, matmul_size: int) -> dict[str, float]:
+    """Tokens per second of ``training_step`` (best of ``steps``), FLOPs per token, the matmul peak and MFU.
+
+    MFU, model FLOPs utilisation (Chowdhery et al. 2022, PaLM), is the FLOP rate
+    the model's formula implies at the measured speed, divided by the best rate
+    of one large matmul in the same dtype on the same device: a peak this
+    machine reaches, rather than a datasheet's.
+    """
+    training_step(model, optimizer, idx, targets, precision)  # warm-up: AdamW's states, the allocator's blocks
+    best = math.inf
+    for _ in range(steps):
+        synchronize(idx.device)
+        started = time.perf_counter()
+        training_step(model, optimizer, idx, targets, precision)
+        synchronize(idx.device)
+        best = min(best, time.perf_counter() - started)
+    tokens_per_second = idx.numel() / best
+    per_token = flops_per_token(model.config, idx.size(1))
+    peak = matmul_flops_per_second(matmul_size, idx.device, AUTOCAST_DTYPES[precision])
+    return {"step_s": best, "tokens_per_second": tokens_per_second, "flops_per_token": float(per_token),
+            "model_flops_per_second": per_token * tokens_per_second, "matmul_flops_per_second": peak,
+            "mfu": per_token * tokens_per_second / peak}
+
+
 # Will the book's GPU runs fit? Predicted from the gpu sizes, so no GPU is needed to ask.
 
 
@@ -406,3 +435,4 @@ def fit_table() -> str:
     for name, peak in gpu_run_peaks().items():
         lines.append(f"{name:58s}{peak / 1e9:>13.2f} GB{peak / GPU_BYTES:>16.1%}")
     return "\n".join(lines)
+
