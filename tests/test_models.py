@@ -175,9 +175,9 @@ def test_one_document_per_row_through_the_mask_buffer_equals_is_causal():
     torch.testing.assert_close(model(idx), model(idx, document_ids=one_document), atol=FLOAT32_ATOL, rtol=0)
 
 
-def test_attention_mask_lets_a_query_see_earlier_keys_of_its_own_document_only():
+def test_document_causal_mask_lets_a_query_see_earlier_keys_of_its_own_document_only():
     document_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5]])
-    mask = make_model().attention_mask(document_ids)
+    mask = make_model().document_causal_mask(document_ids)
     assert mask.shape == (2, 1, 8, 8) and mask.dtype == torch.bool
     for row in range(2):
         for query in range(8):
@@ -233,7 +233,7 @@ def test_position_ids_pick_each_tokens_rope_angles():
 
 def test_position_or_document_ids_of_another_shape_are_refused():
     idx = random_tokens(2, 6)
-    with pytest.raises(ValueError, match=r"position_ids/document_ids of the same shape.*\[\(6,\)\]"):
+    with pytest.raises(ValueError, match=r"position_ids must have idx's shape \(2, 6\), got \(6,\)"):
         make_model()(idx, position_ids=torch.arange(6))
 
 
@@ -376,12 +376,12 @@ def test_generate_top_k_1_is_greedy():
 
 
 def test_too_long_input_raises_a_clear_error():
-    with pytest.raises(ValueError, match=r"time <= block_size=16.*got idx torch.int64 \(1, 17\)"):
+    with pytest.raises(ValueError, match=r"time <= block_size=16, got torch.int64 of shape \(1, 17\)"):
         make_model()(random_tokens(1, CONFIG.block_size + 1))
 
 
 def test_float_input_raises_a_clear_error():
-    with pytest.raises(ValueError, match=r"idx must be int64/int32 token ids.*got idx torch.float32"):
+    with pytest.raises(ValueError, match=r"idx must be int64 or int32 token ids.*got torch.float32"):
         make_model()(torch.zeros(1, 4))
 
 

@@ -223,9 +223,10 @@ class GPT(nn.Module):
 
     - ``causal_mask`` (block_size, block_size), bool, True on and below the
       diagonal. SDPA's ``is_causal=True`` does not need it; packed rows do
-      (``attention_mask``). It is not saved in ``state_dict`` because it is a pure
-      function of ``block_size``: the config rebuilds it, and a checkpoint that
-      carried it would only be larger and could disagree with the config.
+      (``document_causal_mask``). It is not saved in ``state_dict`` because it
+      is a pure function of ``block_size``: the config rebuilds it, and a
+      checkpoint that carried it would only be larger and could disagree with
+      the config.
     - ``rope_cos`` and ``rope_sin`` (block_size, head_size), float32: RoPE's
       tables, also derived from the config, so also not saved.
 
@@ -292,14 +293,16 @@ class GPT(nn.Module):
         ``document_ids`` (B, T) say which document each token belongs to. No loss
         here: the training loop computes cross-entropy in float32 even under autocast.
         """
-        packing = [tuple(ids.shape) for ids in (position_ids, document_ids) if ids is not None]
-        if idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2 or idx.size(1) > self.config.block_size \
-                or any(shape != tuple(idx.shape) for shape in packing):
+        block_size = self.config.block_size
+        if idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2 or idx.size(1) > block_size:
             raise ValueError(
-                f"GPT.forward: idx must be int64/int32 token ids of shape (batch, time) with time <= "
-                f"block_size={self.config.block_size}, and position_ids/document_ids of the same shape; "
-                f"got idx {idx.dtype} {tuple(idx.shape)}, position_ids/document_ids {packing}"
+                f"GPT.forward: idx must be int64 or int32 token ids of shape (batch, time) with time <= "
+                f"block_size={block_size}, got {idx.dtype} of shape {tuple(idx.shape)}"
             )
+        for name, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
+            if ids is not None and ids.shape != idx.shape:
+                raise ValueError(f"GPT.forward: {name} must have idx's shape {tuple(idx.shape)}, "
+                                 f"got {tuple(ids.shape)}")
         # Only on the CPU, where reading the ids costs no device sync; under
         # torch.compile the generated kernel checks its own indices.
         if idx.device.type == "cpu" and not torch.compiler.is_compiling():
@@ -308,12 +311,12 @@ class GPT(nn.Module):
             cos, sin = self.rope_cos[: idx.size(1)], self.rope_sin[: idx.size(1)]  # positions 0..T-1
         else:  # each token's own position; (B, 1, T, head_size) broadcasts over the heads
             cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)
-        attn_mask = None if document_ids is None else self.attention_mask(document_ids)
+        attn_mask = None if document_ids is None else self.document_causal_mask(document_ids)
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
 
         x = self.dropout(self.token_embedding(idx))  # (B, T, d_model), no position embedding
         for block in self.blocks:
-            if recompute:  # keep only x; rerun the block during backward
+            if recompute:  # keep only the block's inputs; rerun it during backward
                 x = checkpoint(block, x, cos, sin, attn_mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, attn_mask)
@@ -321,7 +324,7 @@ class GPT(nn.Module):
         # of the final hidden state with one token's embedding.
         return self.lm_head(self.ln_final(x))
 
-    def attention_mask(self, document_ids: torch.Tensor) -> torch.Tensor:
+    def document_causal_mask(self, document_ids: torch.Tensor) -> torch.Tensor:
         """(B, 1, T, T) bool for packed rows: a query sees earlier keys of its own document only.
 
         Block-diagonal and causal: the ``causal_mask`` buffer AND "same document".
