@@ -433,6 +433,6 @@ def fit_table() -> str:
     """A text table of each GPU run's predicted peak against an 80 GB GPU."""
     lines = [f"{'run (gpu profile)':58s}{'predicted peak':>16s}{'share of 80 GB':>16s}"]
     for name, peak in gpu_run_peaks().items():
-        lines.append(f"{name:58s}{peak / 1e9:>13.2f} GB{peak / GPU_BYTES:>16.1%}")
+        lines.append(f"{name:58s}{peak / 1e9:>13.3f} GB{peak / GPU_BYTES:>16.1%}")
     return "\n".join(lines)
 
