@@ -12,19 +12,25 @@ checkpoint ``k``, to show that the previous checkpoint survives.
 
 It is a script, not library code: it replaces ``torch.save`` for the whole
 process and kills itself. It ties the book's pieces together: a byte-level
-``GPT`` (``torchbook.models``) trained by a ``Trainer`` (``torchbook.train``)
-on a ``TokenStream`` over Tiny Shakespeare (``torchbook.data``), saved with
-``save_training_checkpoint(folder, trainer.state_dict(), data_state=...)`` and
-restored with ``load_training_checkpoint(path, trainer)``
-(``torchbook.checkpoint``). The trainer's state carries its losses not yet
-logged, so a checkpoint may fall between two log rows. The one count the
-trainer does not keep is the number of batches drawn from the stream: that is
-the data state. Exactness needs deterministic CPU settings: one thread (the
-order of float additions is fixed), ``torch.use_deterministic_algorithms(True)``
-and seeded generators. Dropout is on, so the RNG state must be restored too.
+``GPT`` (``torchbook.models``) trained on a ``TokenStream`` over Tiny
+Shakespeare (``torchbook.data``) by its own short loop around
+``Trainer.train_step`` (``torchbook.train``): draw a step's micro-batches,
+count them, step, and save every ``save_every`` steps with
+``save_training_checkpoint(folder, trainer.state_dict(), data_state=...)``;
+``load_training_checkpoint(path, trainer)`` restores it (``torchbook.checkpoint``).
+The trainer's state carries its steps not yet logged, so a checkpoint may fall
+between two log rows. The one count the trainer does not keep is the number of
+batches drawn from the stream: that is the data state. Exactness needs
+deterministic CPU settings: one thread (the order of float additions is fixed),
+``torch.use_deterministic_algorithms(True)`` and seeded generators. Dropout is
+on, so the RNG state must be restored too.
 """
 
 from __future__ import annotations
+
+import time
+
+STARTED = time.perf_counter()  # before the other imports: the final file reports how long they took
 
 import argparse
 import io
@@ -47,6 +53,7 @@ from torchbook.models import GPT, GPTConfig
 from torchbook.profiles import CheckpointSizes, active_profile
 from torchbook.train import TrainConfig, Trainer
 
+IMPORT_SECONDS = time.perf_counter() - STARTED
 BYTE_VOCAB = 256  # tokens are the bytes of the text: no tokenizer needed
 LEARNING_RATE = 1e-3
 WARMUP_STEPS = 4
@@ -137,17 +144,16 @@ class Run:
         return resumed
 
     def train_until(self, until_step: int) -> None:
-        """Take optimizer steps until ``trainer.step == until_step``, saving after every ``save_every``-th."""
+        """The script's training loop: optimizer steps until ``trainer.step == until_step``, saving every ``save_every``."""
         if self.batches is None:
             self.batches = iter(self.stream)
-        trainer = self.trainer
-        while trainer.step < until_step:
-            group = [next(self.batches) for _ in range(trainer.config.accum_steps)]
-            self.batches_drawn += len(group)
-            result = trainer.train_step(group)
-            if not result.skipped and trainer.step % self.save_every == 0:
+        while self.trainer.step < until_step:
+            micro_batches = [next(self.batches) for _ in range(self.trainer.config.accum_steps)]
+            self.batches_drawn += len(micro_batches)  # a step the fp16 scaler skips drew its batches too
+            result = self.trainer.train_step(micro_batches)
+            if not result.skipped and result.step % self.save_every == 0:
                 path = self.save()
-                print(f"checkpoint {trainer.step // self.save_every} written: {path.name}", flush=True)
+                print(f"checkpoint {result.step // self.save_every} written: {path.name}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         for change in resumed.train_config_changes:
             print(f"training configuration changed: {change}", flush=True)
 
+    training_started = time.perf_counter()
     if args.kill_after_checkpoint is not None:
         run.train_until(args.kill_after_checkpoint * args.save_every)
         print(f"killed after checkpoint {args.kill_after_checkpoint}", flush=True)
@@ -205,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = run.trainer
     trainer.log()
     result = {"weights": trainer.model.state_dict(), "losses": [row["loss"] for row in trainer.history],
-              "steps": [row["step"] for row in trainer.history], "lrs": [row["lr"] for row in trainer.history]}
+              "steps": [row["step"] for row in trainer.history], "lrs": [row["lr"] for row in trainer.history],
+              "import_seconds": IMPORT_SECONDS, "train_seconds": time.perf_counter() - training_started}
     atomic_write(args.out, lambda temporary: torch.save(result, temporary))
     print(f"finished {trainer.step} steps, final loss {trainer.history[-1]['loss']:.4f}", flush=True)
     return 0

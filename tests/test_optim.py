@@ -1,4 +1,4 @@
-"""The book's optimizer and schedule, and the checks of a saved optimizer state before it is loaded."""
+"""The book's optimizer and schedule, and the layout check of a saved optimizer state before it is loaded."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from torchbook.optim import (
     OptimizerConfig, apply_config, build_optimizer, build_schedule, learning_rate, load_optimizer_state,
-    optimizer_state_problems, parameter_groups, structure_problems,
+    optimizer_layout_problems, parameter_groups,
 )
 
 
@@ -38,7 +38,7 @@ def test_an_optimizer_config_names_the_field_that_is_wrong():
 
 def test_a_saved_state_of_the_same_optimizer_has_no_problems():
     _, optimizer, _ = stepped(OptimizerConfig(max_steps=10, warmup_steps=2))
-    assert optimizer_state_problems(copy.deepcopy(optimizer.state_dict()), optimizer) == []
+    assert optimizer_layout_problems(copy.deepcopy(optimizer.state_dict()), optimizer) == []
 
 
 def test_a_scalar_parameter_whose_moments_are_0_dim_is_not_refused():
@@ -55,38 +55,44 @@ def test_a_scalar_parameter_whose_moments_are_0_dim_is_not_refused():
     model(torch.randn(5, 4)).square().mean().backward()
     optimizer.step()
     assert optimizer.state[model.temperature]["exp_avg"].dim() == 0  # a moment and a step count look alike here
-    assert optimizer_state_problems(copy.deepcopy(optimizer.state_dict()), optimizer) == []
+    assert optimizer_layout_problems(copy.deepcopy(optimizer.state_dict()), optimizer) == []
+
+
+def test_amsgrad_switched_on_is_refused_though_torch_loads_it_and_then_fails():
+    model, optimizer, _ = stepped(OptimizerConfig(max_steps=10, warmup_steps=2))
+    saved = copy.deepcopy(optimizer.state_dict())
+    saved["param_groups"][0]["amsgrad"] = True
+    assert optimizer_layout_problems(saved, optimizer) == ["optimizer group 0: amsgrad=True in the state, False here"]
+    # the independent check that the refusal matters: torch loads it, and the next step fails
+    optimizer.load_state_dict(saved)
+    model(torch.randn(5, 4)).square().mean().backward()
+    with pytest.raises((RuntimeError, KeyError)):
+        optimizer.step()
+
+
+def test_a_moment_of_another_shape_is_refused_though_torch_loads_it():
+    _, optimizer, _ = stepped(OptimizerConfig(max_steps=10, warmup_steps=2))
+    saved = copy.deepcopy(optimizer.state_dict())
+    saved["state"][0]["exp_avg"] = torch.zeros(3)
+    assert optimizer_layout_problems(saved, optimizer) == [
+        "optimizer state of parameter 0: 'exp_avg' has shape (3,), the parameter (8, 4)"]
+    # torch loads it without a word. Not stepped here: the fused kernel then writes past the
+    # moment's 3 floats (seen once as glibc's "free(): invalid next size" as the process ended).
+    optimizer.load_state_dict(saved)
+    assert optimizer.state_dict()["state"][0]["exp_avg"].shape == (3,)
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda s: s["param_groups"][0].update(lr="0.1"), r"\['param_groups'\]\[0\]\['lr'\]: '0.1', expected a number"),
-    (lambda s: s["param_groups"][1].update(amsgrad=0), r"\['amsgrad'\]: 0, expected a bool"),
-    (lambda s: s["param_groups"][0].update(amsgrad=True), r"\['amsgrad'\]: True in the state, False in this optim"),
-    (lambda s: s["state"][0].pop("exp_avg"), r"\['state'\]\[0\]: no 'exp_avg', which the group's other entries"),
-    (lambda s: s["state"][0].update(exp_avg=torch.tensor(0.0)), r"\['state'\]\[0\]\['exp_avg'\]: .*expected a tensor of"),
-    (lambda s: s["param_groups"].pop(), r"optimizer\['param_groups'\]: a list of 1, expected a list of 2"),
-    (lambda s: s["param_groups"][0]["params"].pop(), r"\['params'\]: a list of 1, expected a list of 2"),
-    (lambda s: s["state"][0].update(exp_avg=torch.zeros(3)), r"\['state'\]\[0\]\['exp_avg'\]: .* shape \(8, 4\)"),
-    (lambda s: s["state"].update({99: {"step": torch.tensor(1.0)}}), r"\['state'\]\[99\]: a parameter the groups do not hold"),
-    (lambda s: s.pop("state"), r"optimizer: 1 missing keys: \['state'\]"),
-], ids=["string-lr", "int-for-a-flag", "switch-flipped", "entry-without-a-moment", "scalar-moment", "one-group", "group-of-another-size", "moment-shape", "unknown-parameter",
-        "no-state"])
-def test_a_damaged_optimizer_state_is_named_before_torch_would_load_it(damage, message):
+    (lambda s: s["param_groups"].pop(), r"optimizer: 1 parameter groups in the state, 2 here"),
+    (lambda s: s["param_groups"][0]["params"].pop(), r"optimizer group 0: 1 parameters in the state, 2 here"),
+    (lambda s: s.pop("state"), r"optimizer: expected a dict with 'state'"),
+], ids=["one-group", "group-of-another-size", "no-state"])
+def test_another_group_layout_is_named(damage, message):
     _, optimizer, _ = stepped(OptimizerConfig(max_steps=10, warmup_steps=2))
     saved = copy.deepcopy(optimizer.state_dict())
     damage(saved)
-    problems = optimizer_state_problems(saved, optimizer)
+    problems = optimizer_layout_problems(saved, optimizer)
     assert any(re.search(message, line) for line in problems), problems
-
-
-def test_each_kind_of_value_wants_its_own_kind_and_a_config_is_lenient():
-    assert structure_problems({"lr": None}, {"lr": 0.1}, "group") == ["group['lr']: None, expected a number"]
-    assert structure_problems({"lr": 1}, {"lr": 0.1}, "group") == []  # an int is a number
-    assert structure_problems({"interval": 2.0}, {"interval": 2}, "scaler") == ["scaler['interval']: 2.0, expected an int"]
-    assert structure_problems({"lr_lambdas": [2.5]}, {"lr_lambdas": [None]}, "scheduler") == [
-        "scheduler['lr_lambdas'][0]: 2.5, expected None"]
-    assert structure_problems({"max_grad_norm": None, "min_lr": 0}, {"max_grad_norm": 1.0, "min_lr": 0.0}, "config",
-                              optional=True) == []
 
 
 def test_a_state_saved_without_the_fused_kernel_loads_into_a_fused_optimizer():
@@ -109,7 +115,7 @@ def test_a_state_saved_without_the_fused_kernel_loads_into_a_fused_optimizer():
     with pytest.raises(AssertionError):  # torch took fused=None from the file; the scaler still sees a fused optimizer
         scaled_step(as_torch_loads_it)
     fused, _ = build_optimizer(model, config, torch.device("cpu"))
-    assert optimizer_state_problems(saved, fused) == []
+    assert optimizer_layout_problems(saved, fused) == []
     load_optimizer_state(fused, saved)
     assert all(group["fused"] is True for group in fused.param_groups)
     scaled_step(fused)

@@ -119,8 +119,7 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
         ckpt.read_torch_file(partial[0])  # ...and really is broken
     previous = ckpt.latest_checkpoint(folder)  # ...but it is never taken for a checkpoint
     assert ckpt.checkpoint_step(previous) == 2 * SAVE_EVERY
-    state = ckpt.read_training_checkpoint(previous)
-    assert state["trainer"]["step"] == 2 * SAVE_EVERY
+    assert ckpt.read_training_checkpoint(previous).trainer["step"] == 2 * SAVE_EVERY
 
     output = assert_ran(demo(folder, tmp_path / "out.pt", "--resume"))
     assert f"resumed from {previous.name}" in output

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchbook.optim import build_optimizer, learning_rate
-from torchbook.train import IGNORE_INDEX, NonFiniteLossError, StepResult, Trainer, TrainConfig
+from torchbook.train import IGNORE_INDEX, NonFiniteLossError, StepResult, Trainer, TrainConfig, evaluate
 
 CPU = torch.device("cpu")
 VOCAB, WIDTH, BLOCK = 11, 16, 6
@@ -315,9 +315,8 @@ def test_evaluate_is_the_mean_over_target_tokens_and_restores_train_mode():
     y[0] = IGNORE_INDEX
     model = make_model()
     expected = F.cross_entropy(model(x).flatten(0, -2), y.flatten()).item()
-    trainer = Trainer(model, config(), CPU)
     model.train()
-    got = trainer.evaluate(split(x, y, [1, 2, 3]))
+    got = evaluate(model, split(x, y, [1, 2, 3]), CPU)
     assert got == pytest.approx(expected, rel=1e-6)  # float32 summation order
     assert model.training
 
@@ -409,7 +408,7 @@ def test_state_dict_round_trips_through_weights_only_and_continues_exactly(tmp_p
     first = Trainer(make_model(), settings, CPU)
     train_steps(first, 0, 5)
     state = save_and_load(first.state_dict(), tmp_path)
-    assert state["step"] == 5 and state["pending"]["steps"] == [4, 5]
+    assert state["step"] == 5 and [step["step"] for step in state["unlogged"]] == [4, 5]
     second = Trainer(make_model(seed=1), settings, CPU)  # different initial weights: all overwritten
     second.load_state_dict(state)
     train_steps(second, 5, 8)
@@ -451,19 +450,19 @@ def test_resume_with_the_same_config_keeps_the_loaded_rate_bit_for_bit(tmp_path)
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda s: s.pop("step"), r"no 'step'"),
+    (lambda s: s.pop("step"), r"expected a dict with model, optimizer"),
     (lambda s: s.update(step=-1), r"step: -1, expected an int"),
     (lambda s: s.update(step=True), r"step: True, expected an int"),
-    (lambda s: s.update(optimizer=None), r"optimizer: a NoneType, expected a dict"),
-    (lambda s: s["model"].pop("head.bias"), r"model: 1 missing keys"),
-    (lambda s: s["model"].update({"head.weight": torch.zeros(2, 2)}), r"model\['head.weight'\]"),
-    (lambda s: s["pending"].update(steps=[1, 2, 3]), r"pending\['loss'\]"),
+    (lambda s: s.update(history=None), r"history: expected a list"),
+    (lambda s: s.update(config="lr=0.1"), r"config: expected a dict"),
+    (lambda s: s.update(optimizer=None), r"optimizer: expected a dict with 'state'"),
+    (lambda s: s["model"].pop("head.bias"), r"model: 1 missing keys: head.bias"),
+    (lambda s: s["model"].update({"head.weight": torch.zeros(2, 2)}), r"model: head.weight: torch.float32 \(2, 2\)"),
+    (lambda s: s["optimizer"]["param_groups"][0].update(amsgrad=True), r"amsgrad=True in the state, False here"),
+    (lambda s: s["unlogged"][0].pop("loss"), r"unlogged step is unreadable"),
     (lambda s: s.update(scaler={"scale": 1.0}), r"scaler: loss scaling \(fp16\) is on"),
-    # torch's scheduler and optimizer would load these and mis-train, or fail a step later:
-    (lambda s: s["scheduler"].pop("last_epoch"), r"scheduler: 1 missing keys: \['last_epoch'\]"),
-    (lambda s: s["optimizer"]["param_groups"][0].update(lr="0.1"), r"\['lr'\]: '0.1', expected a number"),
-], ids=["no-step", "negative-step", "bool-step", "no-optimizer", "missing-key", "wrong-shape",
-        "pending-lengths", "scaler-on", "schedule-without-last-epoch", "string-learning-rate"])
+], ids=["no-step", "negative-step", "bool-step", "history-none", "config-a-string", "no-optimizer", "missing-key",
+        "wrong-shape", "amsgrad-switched", "unlogged-step-without-loss", "scaler-on"])
 def test_a_bad_state_is_refused_and_nothing_changes(damage, message):
     source = Trainer(make_model(seed=1), config(log_every=4), CPU)
     train_steps(source, 0, 2)
@@ -472,52 +471,25 @@ def test_a_bad_state_is_refused_and_nothing_changes(damage, message):
     target = Trainer(make_model(), config(log_every=4), CPU)
     weights = copy.deepcopy(target.model.state_dict())
     optimizer_state = copy.deepcopy(target.optimizer.state_dict())
+    scheduler_state = copy.deepcopy(target.scheduler.state_dict())
     with pytest.raises(ValueError, match=message):
         target.load_state_dict(state)
-    assert target.step == 0 and not target._unlogged
+    assert target.step == 0 and not target._unlogged and target.history == []
     assert all(torch.equal(target.model.state_dict()[k], v) for k, v in weights.items())
     assert target.optimizer.state_dict() == optimizer_state
+    assert target.scheduler.state_dict() == scheduler_state
 
 
-def state_leaves(value, path=()):
-    """(path, value) for every value inside a trainer state that is not itself a dict or a list."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from state_leaves(item, path + (key,))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            yield from state_leaves(item, path + (index,))
-    else:
-        yield path, value
+def test_a_step_without_the_fp16_scaler_never_reads_the_scale(monkeypatch):
+    """Reading the scale is a host sync; fp32 and bf16 steps must not pay it."""
+    trainer = Trainer(make_model(), config(precision="bf16", log_every=100), CPU)
 
+    def sync(*args):
+        raise AssertionError("get_scale() called without the fp16 scaler: a host sync for nothing")
 
-@pytest.mark.parametrize("replacement", [None, "x", True, 2.5, torch.zeros(3)], ids=repr)
-def test_every_single_damaged_value_is_refused_unchanged_or_trains_on(replacement):
-    """Each value of a real fp16 state replaced in turn: a refusal changes nothing, a load trains three more steps."""
-    source = Trainer(make_model(seed=1), config(precision="fp16", log_every=3), CPU)
-    train_steps(source, 0, 4)
-    whole = source.state_dict()
-    failures = []
-    for path, _ in state_leaves(whole):
-        state = copy.deepcopy(whole)
-        *parents, last = path
-        container = state
-        for key in parents:
-            container = container[key]
-        container[last] = replacement
-        target = Trainer(make_model(), config(precision="fp16", log_every=3), CPU)
-        try:
-            target.load_state_dict(state)
-        except ValueError:
-            if target.step != 0 or target.optimizer.state:
-                failures.append(f"{path}: refused but changed the trainer")
-            continue
-        try:
-            train_steps(target, 4, 7)
-            target.log()
-        except Exception as error:  # noqa: BLE001 -- any failure after a load that was accepted is the bug
-            failures.append(f"{path}: loaded, then {type(error).__name__}: {str(error)[:80]}")
-    assert not failures, "\n".join(failures)
+    monkeypatch.setattr(trainer.scaler, "get_scale", sync)
+    trainer.train_step([token_batch(4, seed=6)])
+    assert trainer.step == 1
 
 
 # ----------------------------------------------------------------- two ranks (gloo, in subprocesses)

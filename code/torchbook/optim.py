@@ -6,13 +6,13 @@ holds what they are built from, and ``train.TrainConfig`` extends it.
 ``apply_config`` sets an already loaded optimizer and schedule to a config,
 which is how a resumed run takes a changed learning rate.
 
-Torch's ``Optimizer.load_state_dict`` and ``LRScheduler.load_state_dict``
-accept any value (a string learning rate, moments of another shape, a
-schedule without ``last_epoch``) and fail, or silently mis-train, a step
-later. ``optimizer_state_problems`` and ``structure_problems`` check a saved
-state against the live one first, so a bad state is refused before anything
-is loaded; ``load_optimizer_state`` then loads it but keeps the live
-optimizer's implementation flags (``fused``, ``foreach``), so a checkpoint
+Torch's ``Optimizer.load_state_dict`` checks the number of groups and of
+parameters in each, but loads moments of any shape and takes every group
+setting from the file: a flipped ``amsgrad`` or a moment of another shape fails
+at the next step, and a state saved without the fused kernel turns a fused
+optimizer into one that fails under a loss scaler. ``optimizer_layout_problems``
+finds the first two before anything is loaded; ``load_optimizer_state`` keeps
+this machine's implementation flags (``fused``, ``foreach``), so a checkpoint
 moves between machines with and without the fused kernel.
 """
 
@@ -28,7 +28,6 @@ from torch import Tensor, nn
 
 # Devices with a fused AdamW kernel (one kernel for all parameters instead of one per operation).
 FUSED_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu")
-LISTED_KEYS = 12  # a problem lists at most this many missing keys
 
 
 @dataclass
@@ -128,54 +127,39 @@ def apply_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_sch
     scheduler._last_lr = rates
 
 
-# ----- checking a saved state before loading it -----
-
-
-def _is_number(value: Any) -> bool:
-    """An int, a float or a 0-dim tensor (not a bool)."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
-        isinstance(value, Tensor) and value.dim() == 0)
-
-
-def structure_problems(saved: Any, live: Any, where: str, *, optional: bool = False) -> list[str]:
-    """Where ``saved`` lacks the structure of ``live``: dict keys, list lengths, tensor shapes and dtypes, kinds.
-
-    A live int wants an int, a float an int or a float, a bool a bool, a
-    string a string, None None. ``optional`` is for a user's config: there
-    ``None`` fits anything and an int and a float stand for each other.
-    """
-    if optional and (live is None or saved is None):
-        return []
-    if isinstance(live, Mapping):
-        if not isinstance(saved, Mapping):
-            return [f"{where}: a {type(saved).__name__}, expected a dict"]
-        missing = [key for key in live if key not in saved]
-        problems = [f"{where}: {len(missing)} missing keys: {missing[:LISTED_KEYS]}"] if missing else []
-        return problems + [line for key in live if key in saved for line in
-                           structure_problems(saved[key], live[key], f"{where}[{key!r}]", optional=optional)]
-    if isinstance(live, (list, tuple)):
-        if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
-            found = f"a list of {len(saved)}" if isinstance(saved, (list, tuple)) else f"{saved!r:.60}"
-            return [f"{where}: {found}, expected a list of {len(live)}"]
-        return [line for index, (item, model) in enumerate(zip(saved, live))
-                for line in structure_problems(item, model, f"{where}[{index}]", optional=optional)]
-    if isinstance(live, Tensor):
-        if isinstance(saved, Tensor) and saved.shape == live.shape and saved.dtype == live.dtype:
-            return []
-        found = f"{saved.dtype} {tuple(saved.shape)}" if isinstance(saved, Tensor) else type(saved).__name__
-        return [f"{where}: {found}, expected {live.dtype} {tuple(live.shape)}"]
-    plain = lambda v, kinds: isinstance(v, kinds) and not isinstance(v, bool)  # noqa: E731
-    integer = int if not optional else ()  # in a config an int may stand for a float and the other way round
-    for fits, what in ((lambda v: v is None, "None"), (lambda v: isinstance(v, bool), "a bool"),
-                       (lambda v: plain(v, integer), "an int"), (lambda v: plain(v, (int, float)), "a number"),
-                       (lambda v: isinstance(v, str), "a string")):
-        if fits(live):
-            return [] if fits(saved) else [f"{where}: {saved!r:.60}, expected {what}"]
-    return []
-
+# ----- loading a saved state -----
 
 # Param-group settings that say how the optimizer runs on this machine, not where training stands.
 IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+# Param-group switches that decide which moments a parameter has (amsgrad adds max_exp_avg_sq).
+STATE_SWITCHES = ("amsgrad",)
+
+
+def optimizer_layout_problems(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> list[str]:
+    """Where a saved ``optimizer.state_dict()`` has another layout than ``optimizer``; empty when it fits.
+
+    The layout: the number of groups and of parameters in each, the
+    ``STATE_SWITCHES``, and the shape of every moment (a tensor with
+    dimensions must have its parameter's shape; 0-dim ones are step counts).
+    """
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not isinstance(groups, list) or not isinstance(saved.get("state"), Mapping):
+        return ["optimizer: expected a dict with 'state' and a list of 'param_groups'"]
+    if len(groups) != len(optimizer.param_groups):
+        return [f"optimizer: {len(groups)} parameter groups in the state, {len(optimizer.param_groups)} here"]
+    problems, shapes = [], {}
+    for number, (group, live) in enumerate(zip(groups, optimizer.param_groups)):
+        if len(group["params"]) != len(live["params"]):
+            problems.append(f"optimizer group {number}: {len(group['params'])} parameters in the state, "
+                            f"{len(live['params'])} here")
+        problems += [f"optimizer group {number}: {switch}={group.get(switch)} in the state, {live[switch]} here"
+                     for switch in STATE_SWITCHES if switch in live and group.get(switch) != live[switch]]
+        shapes.update(zip(group["params"], (parameter.shape for parameter in live["params"])))
+    for index, entry in saved["state"].items():
+        problems += [f"optimizer state of parameter {index}: {name!r} has shape {tuple(value.shape)}, "
+                     f"the parameter {tuple(shapes[index])}" for name, value in entry.items()
+                     if index in shapes and isinstance(value, Tensor) and value.dim() > 0 and value.shape != shapes[index]]
+    return problems
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
@@ -188,58 +172,3 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping[str, A
     groups = [{**group, **{flag: now[flag] for flag in IMPLEMENTATION_FLAGS if flag in now}}
               for group, now in zip(saved["param_groups"], optimizer.param_groups)]
     optimizer.load_state_dict({**saved, "param_groups": groups})
-
-
-# What one value of a parameter's optimizer state can be: a moment, a step count, or nothing.
-ENTRY_KINDS = ("shaped", "scalar", "None")
-
-
-def _entry_kinds(value: Any, parameter: Tensor) -> set[str]:
-    """The ``ENTRY_KINDS`` ``value`` may be for ``parameter`` (a 0-dim parameter's moment is also a scalar)."""
-    if isinstance(value, Tensor) and value.shape == parameter.shape:
-        return {"shaped", "scalar"} if value.dim() == 0 else {"shaped"}
-    return {"scalar"} if _is_number(value) else {"None"} if value is None else set()
-
-
-def optimizer_state_problems(saved: Any, optimizer: torch.optim.Optimizer) -> list[str]:
-    """Every way a saved ``optimizer.state_dict()`` does not fit ``optimizer``; empty when it loads.
-
-    The groups must match in number and size, their settings in kind and their
-    switches (bools) in value. Within a group every parameter's entry must have
-    the same keys, each value the same kind in every entry: a scalar (a step
-    count), None, or a tensor of the parameter's shape (a moment).
-    """
-    groups = [{key: value for key, value in group.items() if key not in IMPLEMENTATION_FLAGS}
-              for group in optimizer.state_dict()["param_groups"]]
-    problems = structure_problems(saved, {"state": {}, "param_groups": groups}, "optimizer")
-    if problems:
-        return problems
-    # A switch (amsgrad, maximize, nesterov) decides which entries the state holds: it must be this optimizer's.
-    problems += [f"optimizer['param_groups'][{number}][{key!r}]: {group[key]} in the state, {value} in this "
-                 "optimizer, which was built with other settings"
-                 for number, (group, now) in enumerate(zip(saved["param_groups"], groups))
-                 for key, value in now.items() if isinstance(value, bool) and group[key] != value]
-    state, shapes = saved["state"], {}
-    for group, now in zip(saved["param_groups"], optimizer.param_groups):
-        kinds: dict[str, dict[int, set[str]]] = {}  # key -> parameter -> what its value may be
-        for index, parameter in zip(group["params"], now["params"]):
-            shapes[index] = tuple(parameter.shape)
-            entry = state.get(index, {})
-            if not isinstance(entry, Mapping):
-                problems.append(f"optimizer['state'][{index!r}]: a {type(entry).__name__}, expected a dict")
-                continue
-            for name, value in entry.items():
-                kinds.setdefault(name, {})[index] = _entry_kinds(value, parameter)
-        entries = [index for index in group["params"] if isinstance(state.get(index), Mapping) and state[index]]
-        for name, found in kinds.items():
-            # The kind most entries allow; on a tie a moment (parameter-shaped) wins over a scalar, then None.
-            usual = max(ENTRY_KINDS, key=lambda kind: (sum(kind in allowed for allowed in found.values()),
-                                                       -ENTRY_KINDS.index(kind)))
-            problems += [f"optimizer['state'][{index!r}]: no {name!r}, which the group's other entries have"
-                         for index in entries if name not in state[index]]
-            expected = {"shaped": "a tensor of shape {}", "scalar": "a scalar", "None": "None"}[usual]
-            problems += [f"optimizer['state'][{index!r}][{name!r}]: {state[index][name]!r:.40}, expected "
-                         + expected.format(shapes[index]) for index, allowed in found.items() if usual not in allowed]
-    problems += [f"optimizer['state'][{index!r}]: a parameter the groups do not hold" for index in state
-                 if index not in shapes]
-    return problems

@@ -7,13 +7,21 @@ step), backpropagates through the fp16 loss scaler, clips, steps, advances the
 schedule and zeroes the gradients; the numbered comments follow that order.
 Losses stay on the device and are read to the host (a sync) only every
 ``log_every`` steps, when a ``history`` row is written; a non-finite loss is
-noticed then, and the error names the step where it started.
+noticed then, and the error names the step where it started. In fp16 the step
+also reads the loss scale, to know whether the scaler skipped it.
+
+**The step is the API.** ``Trainer.train_step(micro_batches)`` is what every
+script calls, each inside a short loop of its own (``examples/resume_demo.py``
+saves every few steps, ``examples/train_ddp.py`` counts all-reduces);
+``Trainer.fit`` is the short loop of Chapter 3, over an iterator of batches.
 
 The ``Trainer`` owns the training state: ``state_dict()`` holds tensors and
 plain values (``torch.load(..., weights_only=True)`` reads it), and
-``load_state_dict`` checks all of it before changing anything. It builds on
-``torchbook.optim``: the default optimizer and schedule, and the checks of a
-saved optimizer state that torch itself would load without complaint.
+``load_state_dict`` parses all of it into a ``TrainerState`` before changing
+anything, so that loading cannot fail half-way. It builds on
+``torchbook.optim`` (the default optimizer and schedule, the optimizer's
+layout check) and ``torchbook.state_dicts`` (the model inside a compile or DDP
+wrapper, and its key/shape check).
 
 **Distributed.** With more than one rank the model must be DDP or FSDP2, which
 *average* gradients: the step all-reduces the token count, scales each loss by
@@ -40,17 +48,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchbook.optim import (
-    LISTED_KEYS, OptimizerConfig, apply_config, build_optimizer, build_schedule, load_optimizer_state,
-    optimizer_state_problems, structure_problems,
+    OptimizerConfig, apply_config, build_optimizer, build_schedule, load_optimizer_state, optimizer_layout_problems,
 )
+from torchbook.profiles import AUTOCAST_DTYPES
+from torchbook.state_dicts import state_dict_problems, unwrap_model
 
 # Targets equal to this are not scored (padding, prompt tokens): cross_entropy's own default.
 IGNORE_INDEX = -100
-
-# The autocast dtype of each precision; "fp32" disables autocast and is listed so every precision has one.
-AUTOCAST_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "step", "skipped_steps", "history", "pending", "config")
-PENDING_KEYS = ("steps", "lr", "loss", "grad_norm", "target_tokens", "seconds")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -86,59 +90,66 @@ class TrainConfig(OptimizerConfig):
 
 @dataclass
 class StepResult:
-    """What ``train_step`` returns. The tensors stay on the device: reading them is a sync."""
+    """One optimizer step's numbers, as ``train_step`` returns them; the tensors stay on the device.
 
+    The steps since the last history row wait in this form until ``log`` reads them all at once (one sync).
+    """
+
+    step: int  # the step count after this step (unchanged when it was skipped)
+    lr: float  # the learning rate this step used
     loss: Tensor  # mean loss over the step's target tokens (global across ranks when distributed)
     grad_norm: Tensor  # total gradient norm before clipping
     target_tokens: Tensor  # the step's target-token count (global across ranks when distributed)
     skipped: bool  # True when the fp16 scaler skipped the step (step and schedule did not advance)
 
 
-def _check_on_device(model: nn.Module, device: torch.device) -> None:
-    """Raise unless every tensor of ``model`` is on ``device``, where AdamW will create its moments."""
-    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        if tensor.device.type != device.type or device.index not in (None, tensor.device.index):
-            raise ValueError(f"Trainer: model tensor {name!r} is on {tensor.device}, expected {device}; "
-                             f"call model.to({str(device)!r}) before building the Trainer")
+@dataclass
+class TrainerState:
+    """A saved ``Trainer.state_dict()``, parsed and checked against a trainer: loading it cannot fail half-way."""
 
-
-def _inner_module(model: nn.Module) -> nn.Module:
-    """The module inside torch.compile (``_orig_mod``) and DDP (``.module``) wrappers: its keys load into a plain model."""
-    while isinstance(getattr(model, "_orig_mod", None), nn.Module) or isinstance(model, nn.parallel.DistributedDataParallel):
-        model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model._orig_mod
-    return model
+    model: dict[str, Tensor]  # keys, shapes and dtypes checked
+    optimizer: dict[str, Any]  # layout checked: groups, parameters, amsgrad, moment shapes
+    scheduler: dict[str, Any]
+    scaler: dict[str, Any]  # empty when loss scaling is off (fp32, bf16); must match this trainer
+    step: int
+    skipped_steps: int
+    history: list[dict]
+    unlogged: list[StepResult]  # the steps since the last history row
+    seconds_since_log: float  # of the unlogged steps, for tokens_per_second
+    config: dict[str, Any]
 
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def _check_model(model: nn.Module, device: torch.device) -> None:
+    """Raise unless every tensor of ``model`` is on ``device`` (where AdamW creates its moments) and, with
+    several ranks, the model is DDP or FSDP (which average gradients over the ranks)."""
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if tensor.device.type != device.type or device.index not in (None, tensor.device.index):
+            raise ValueError(f"Trainer: model tensor {name!r} is on {tensor.device}, expected {device}; "
+                             f"call model.to({str(device)!r}) before building the Trainer")
+    if _world_size() > 1 and not (hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync")):
+        raise ValueError(f"Trainer: torch.distributed runs {_world_size()} ranks but {type(model).__name__} is "
+                         "neither DDP nor FSDP; wrap the model so that its gradients are averaged over the ranks")
 
 
 class Trainer:
     """Trains ``model`` (inputs -> logits) with clipping, mixed precision and a learning-rate schedule.
 
-    ``optimizer`` and ``scheduler`` default to ``build_optimizer``'s AdamW with
-    warmup + cosine; a passed optimizer without a scheduler gets that shape on
-    its own rate. ``step`` counts the optimizer steps done (an fp16 step the
-    scaler skipped counts in ``skipped_steps`` instead); ``history`` has a row
-    per logged step: ``step``, ``loss``, ``lr`` (the rate used), ``grad_norm``,
-    ``tokens_per_second`` and, where evaluated, ``val_loss``.
+    ``optimizer`` and ``scheduler`` default to ``build_optimizer``'s (a passed optimizer alone gets its
+    schedule). ``step`` counts optimizer steps (fp16 steps the scaler skipped count in ``skipped_steps``);
+    ``history`` has a row per logged step: ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_second``.
     """
 
     def __init__(self, model: nn.Module, config: TrainConfig, device: torch.device | str,
                  optimizer: torch.optim.Optimizer | None = None,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> None:
         device = torch.device(device)
-        _check_on_device(model, device)
+        _check_model(model, device)
         if scheduler is not None and optimizer is None:
             raise ValueError("Trainer: a scheduler was passed without its optimizer; pass both")
-        world_size = _world_size()
-        if world_size > 1 and not (hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync")):
-            raise ValueError(f"Trainer: torch.distributed runs {world_size} ranks but {type(model).__name__} is "
-                             "neither DDP nor FSDP; wrap the model so that its gradients are averaged over the ranks")
         self.model, self.config, self.device = model, config, device
         self.autocast_dtype = AUTOCAST_DTYPES[config.precision]
         self.owns_optimizer = optimizer is None  # built from config, so load_state_dict sets it to config
@@ -149,22 +160,18 @@ class Trainer:
         self.optimizer, self.scheduler = optimizer, scheduler
         # Loss scaling only for fp16, whose narrow exponent range flushes small gradients to zero.
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
-        self.step = 0
-        self.skipped_steps = 0
+        self.step, self.skipped_steps = 0, 0
         self.history: list[dict] = []
-        # Steps since the last history row: (step, lr, loss, grad_norm, target_tokens), tensors on the device.
-        self._unlogged: list[tuple[int, float, Tensor, Tensor, Tensor]] = []
+        self._unlogged: list[StepResult] = []  # steps not yet in history
         self._interval_started = time.perf_counter()
 
     # ----- one optimizer step, in its named parts -----
 
     def _gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """Context for one micro-batch's backward: synchronise gradients over ranks on the last one only."""
-        set_sync = getattr(self.model, "set_requires_gradient_sync", None)
-        if set_sync is not None:  # FSDP2
-            set_sync(last)
-            return contextlib.nullcontext()
-        if not last and hasattr(self.model, "no_sync"):  # DDP
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(last)
+        elif not last and hasattr(self.model, "no_sync"):  # DDP
             return self.model.no_sync()
         return contextlib.nullcontext()
 
@@ -203,240 +210,183 @@ class Trainer:
         return step_loss, target_tokens
 
     def clip_gradients(self) -> Tensor:
-        """Part 4: unscale (fp16), then clip; returns the total norm before clipping.
-
-        Unscaling first matters: a scaled norm is ``scale`` times too large for ``max_grad_norm``.
-        """
+        """Part 4: unscale (fp16: a scaled norm is ``scale`` times too large), then clip; returns the norm before."""
         self.scaler.unscale_(self.optimizer)
         parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.config.max_grad_norm is None:
-            return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
-        return torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)
+        # FSDP2 returns the norm as a replicated DTensor; the whole value is on every rank.
+        return norm.full_tensor().detach() if hasattr(norm, "full_tensor") else norm.detach()
 
     def train_step(self, micro_batches: Sequence[tuple[Tensor, Tensor]]) -> StepResult:
-        """One optimizer step over ``micro_batches`` (usually ``accum_steps``, fewer at the end of the data).
-
-        When the fp16 scaler skips the step, ``skipped_steps`` advances instead
-        of ``step`` and the result says ``skipped``.
-        """
+        """One optimizer step over ``micro_batches`` (usually ``accum_steps``); a step the fp16 scaler skips counts
+        in ``skipped_steps``, not ``step``."""
         if len(micro_batches) == 0:
             raise ValueError("Trainer.train_step: got no micro-batches; a step needs at least one")
+        # GradScaler does not say whether it skipped a step, but it halves its scale exactly when it
+        # did, and a skipped step must advance neither the step count nor the schedule. Reading the
+        # scale is a host sync (.item()), so it happens only with the fp16 scaler on; read here, before
+        # this step's work is queued, it waits for nothing: the previous step's read emptied the queue.
+        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
         step_loss, target_tokens = self.accumulate_gradients(micro_batches)
-        grad_norm = self.clip_gradients().detach()
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the norm as a replicated DTensor
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = self.clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses, before the schedule moves it
         # 5. step (skipped by the scaler if an fp16 gradient is inf/nan), then update the scale.
-        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        #    The fused AdamW reads the scaler's inf check on the device: no .item() here.
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        # The scaler halves its scale exactly when it skipped the step (a sync, but fp16's
-        # scaler.step has already synced to look for infs).
-        skipped = scale_before is not None and self.scaler.get_scale() < scale_before
+        skipped = scale_before is not None and self.scaler.get_scale() < scale_before  # fp16's one sync
         # 6. schedule: the next step's learning rate; a skipped step does not advance it.
-        if not skipped and self.scheduler is not None:
+        if not skipped:
             self.scheduler.step()
         # 7. zero: None instead of a tensor of zeros; the next backward writes instead of adding.
         self.optimizer.zero_grad(set_to_none=True)
-        result = StepResult(loss=step_loss, grad_norm=grad_norm, target_tokens=target_tokens, skipped=skipped)
         if skipped:
             self.skipped_steps += 1
-            return result
+            return StepResult(self.step, float(lr), step_loss, grad_norm, target_tokens, skipped=True)
         self.step += 1
-        self._unlogged.append((self.step, float(lr), step_loss, grad_norm, target_tokens))
+        result = StepResult(self.step, float(lr), step_loss, grad_norm, target_tokens, skipped=False)
+        self._unlogged.append(result)
         if self.step % self.config.log_every == 0:
             self.log()
         return result
 
     def log(self) -> dict | None:
-        """Read the steps since the last row to the host (a sync) and append a history row.
-
-        Returns the row, or None if no step ran since the last one. Raises
-        ``NonFiniteLossError`` naming the first step whose loss was not finite.
-        """
-        if not self._unlogged:
+        """Read the steps since the last row to the host (a sync) and append a row (None: no step since);
+        a non-finite loss raises ``NonFiniteLossError`` naming its step."""
+        steps, now = self._unlogged, time.perf_counter()
+        if not steps:
             return None
-        steps, rates, *tensors = zip(*self._unlogged)
-        losses, norms, tokens = (torch.stack(values).tolist() for values in tensors)
-        now = time.perf_counter()
-        bad = [(step, loss, lr) for step, loss, lr in zip(steps, losses, rates) if not math.isfinite(loss)]
-        if bad:
+        losses, norms, tokens = (torch.stack([getattr(step, name) for step in steps]).tolist()
+                                 for name in ("loss", "grad_norm", "target_tokens"))
+        bad = next((step for step, loss in zip(steps, losses) if not math.isfinite(loss)), None)
+        if bad is not None:
             raise NonFiniteLossError(
-                f"training loss is {bad[0][1]} at optimizer step {bad[0][0]} "
-                f"(noticed at step {steps[-1]}, when the losses were read); precision="
-                f"{self.config.precision!r}, lr={bad[0][2]:.3g}. "
-                "Lower the learning rate or look for bad inputs, and resume from a checkpoint "
-                "taken before that step."
-            )
-        row = {
-            "step": steps[-1],
-            "loss": sum(losses) / len(losses),
-            "lr": rates[-1],  # the rate the optimizer used for the logged step
-            "grad_norm": sum(norms) / len(norms),
-            "tokens_per_second": sum(tokens) / max(now - self._interval_started, 1e-9),
-        }
+                f"training loss is {bad.loss.item()} at optimizer step {bad.step} (noticed at step {steps[-1].step}, "
+                f"when the losses were read); precision={self.config.precision!r}, lr={bad.lr:.3g}. Lower the "
+                "learning rate or look for bad inputs, and resume from a checkpoint taken before that step.")
+        seconds = max(now - self._interval_started, 1e-9)
+        row = {"step": steps[-1].step, "loss": sum(losses) / len(losses), "lr": steps[-1].lr,  # the rate last used
+               "grad_norm": sum(norms) / len(norms), "tokens_per_second": sum(tokens) / seconds}
         self.history.append(row)
-        self._unlogged.clear()
-        self._interval_started = now
+        self._unlogged, self._interval_started = [], now
         return row
 
     # ----- the training state -----
 
     def state_dict(self) -> dict:
-        """Everything needed to continue this run exactly, as tensors and plain values.
-
-        The model without wrapper prefixes; the unlogged steps as tensors (no
-        sync) with the seconds they took; the config as a dict. Like
-        ``nn.Module.state_dict`` it holds live tensors: save or clone it before training on.
-        """
-        columns = list(zip(*self._unlogged)) or [() for _ in range(5)]
-        pending = {"steps": list(columns[0]), "lr": list(columns[1])}
-        for key, values in zip(("loss", "grad_norm", "target_tokens"), columns[2:]):  # tensors: no sync
-            empty = torch.zeros(0, device=self.device, dtype=torch.int64 if key == "target_tokens" else None)
-            pending[key] = torch.stack(values) if values else empty
-        pending["seconds"] = time.perf_counter() - self._interval_started
+        """Everything needed to continue this run exactly, as tensors and plain values (``TrainerState``'s fields).
+        Like ``nn.Module.state_dict`` it holds live tensors: save or clone it before training on."""
         return {
-            "model": _inner_module(self.model).state_dict(),
+            "model": unwrap_model(self.model).state_dict(),  # keys without a wrapper's prefix
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),  # {} when disabled (fp32, bf16)
             "step": self.step,
             "skipped_steps": self.skipped_steps,
             "history": [dict(row) for row in self.history],
-            "pending": pending,
+            "unlogged": [dict(vars(step)) for step in self._unlogged],
+            "seconds_since_log": time.perf_counter() - self._interval_started,
             "config": dataclasses.asdict(self.config),
         }
 
-    def state_dict_problems(self, state: Any) -> list[str]:
-        """Every way ``state`` does not fit this trainer, as readable lines; empty when it loads.
-
-        Checked in full against this trainer's own ``state_dict()`` (keys, the
-        model's shapes and dtypes, the optimizer's groups, kinds of values), so
-        that ``load_state_dict`` can refuse before changing anything.
-        """
-        if not isinstance(state, Mapping):
-            return [f"trainer state is a {type(state).__name__}, expected a dict"]
-        missing = [key for key in STATE_KEYS if key not in state]
-        if missing:
-            return [f"trainer state has no {', '.join(repr(key) for key in missing)}"]
-        live = self.state_dict()
-        model, optimizer, scaler = state["model"], state["optimizer"], state["scaler"]
-        problems = structure_problems(model, live["model"], "model")
-        unexpected = [key for key in model if key not in live["model"]] if isinstance(model, Mapping) else []
-        if unexpected:
-            problems.append(f"model: {len(unexpected)} unexpected keys: {unexpected[:LISTED_KEYS]}")
-        problems += optimizer_state_problems(optimizer, self.optimizer)
-        problems += structure_problems(state["scheduler"], live["scheduler"], "scheduler")
-        if isinstance(scaler, Mapping) and bool(scaler) != self.scaler.is_enabled():
-            now = "on" if self.scaler.is_enabled() else "off"
-            problems.append(f"scaler: loss scaling (fp16) is {'on' if scaler else 'off'} in the state, {now} now")
-        else:
-            problems += structure_problems(scaler, live["scaler"], "scaler")
-        problems += [f"{key}: {state[key]!r}, expected an int >= 0" for key in ("step", "skipped_steps")
-                     if not _is_count(state[key])]
-        if not isinstance(state["history"], list) or not all(isinstance(row, Mapping) for row in state["history"]):
-            problems.append("history: expected a list of dicts")
-        problems += _pending_problems(state["pending"])
-        return problems + structure_problems(state["config"], live["config"], "config", optional=True)
-
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` returned; on any problem raise ``ValueError`` and change nothing.
-
-        An optimizer this trainer built takes its rates, betas and decay from
-        ``config``, so a changed learning rate applies from the next step (the
-        rate used and logged is ``learning_rate(step, config)``). A passed-in
-        optimizer and scheduler are restored as saved.
-        """
-        problems = self.state_dict_problems(state)
-        if problems:
-            raise ValueError("Trainer.load_state_dict: the state does not fit this trainer; "
-                             "nothing was loaded:\n  " + "\n  ".join(problems))
-        _inner_module(self.model).load_state_dict(state["model"], strict=True)
-        load_optimizer_state(self.optimizer, state["optimizer"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
-        self.step = state["step"]
-        self.skipped_steps = state["skipped_steps"]
-        self.history = [dict(row) for row in state["history"]]
-        pending = state["pending"]
-        self._unlogged = [
-            (step, float(lr), loss.to(self.device), norm.to(self.device), tokens.to(self.device))
-            for step, lr, loss, norm, tokens in zip(*(pending[key] for key in PENDING_KEYS[:5]))
-        ]
-        self._interval_started = time.perf_counter() - float(pending["seconds"])
+        """Restore what ``state_dict`` returned, parsed whole first: on a ``ValueError`` nothing has changed.
+        An optimizer this trainer built takes its rates, betas and decay from ``config`` (a changed learning rate
+        applies from the next step); a passed-in optimizer and scheduler are restored as saved."""
+        state = parse_trainer_state(state, self)
+        unwrap_model(self.model).load_state_dict(state.model, strict=True)
+        load_optimizer_state(self.optimizer, state.optimizer)
+        self.scheduler.load_state_dict(state.scheduler)
+        if state.scaler:
+            self.scaler.load_state_dict(state.scaler)
+        self.step, self.skipped_steps = state.step, state.skipped_steps
+        self.history, self._unlogged = state.history, state.unlogged
+        self._interval_started = time.perf_counter() - state.seconds_since_log
         if self.owns_optimizer:
             apply_config(self.optimizer, self.scheduler, self.config)
 
-    # ----- evaluation and the whole run -----
-
-    @torch.no_grad()
-    def evaluate(self, batches: Iterable[tuple[Tensor, Tensor]]) -> float:
-        """Mean loss per target token over ``batches``, in eval mode (no dropout), one sync at the end."""
-        was_training = self.model.training
-        self.model.eval()
-        total_loss = torch.zeros((), device=self.device)
-        total_tokens = torch.zeros((), device=self.device, dtype=torch.int64)
-        for x, y in batches:
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype,
-                                enabled=self.config.precision != "fp32"):
-                logits = self.model(x)
-            total_loss += F.cross_entropy(logits.float().flatten(0, -2), y.flatten(),
-                                          ignore_index=IGNORE_INDEX, reduction="sum")
-            total_tokens += (y != IGNORE_INDEX).sum()
-        self.model.train(was_training)
-        if total_tokens.item() == 0:
-            raise ValueError("Trainer.evaluate: the batches hold no target tokens")
-        return (total_loss / total_tokens).item()
+    # ----- Chapter 3's loop -----
 
     def fit(self, train_batches: Iterator[tuple[Tensor, Tensor]],
             val_batches: Callable[[], Iterable[tuple[Tensor, Tensor]]] | None = None) -> list[dict]:
-        """Train until ``config.max_steps`` steps are done or ``train_batches`` runs out.
+        """Chapter 3's short loop: ``train_step`` until ``config.max_steps`` steps or the end of ``train_batches``.
 
-        Micro-batches are taken ``accum_steps`` at a time (a shorter group at the
-        end is still one correctly normalised step). ``val_batches()`` gives fresh
-        batches every ``eval_every`` steps and after the last; the loss goes into
-        that step's row as ``val_loss``.
+        Micro-batches go ``accum_steps`` to a step (a shorter group at the end is still one correctly
+        normalised step). ``val_batches()`` gives fresh batches for a ``val_loss`` in the row of every
+        ``eval_every``-th step and of the last. Scripts that save or count write their own loop around ``train_step``.
         """
         train_batches = iter(train_batches)
         while self.step < self.config.max_steps:
             group = list(itertools.islice(train_batches, self.config.accum_steps))
             if not group:
                 break
-            result = self.train_step(group)
-            if val_batches is not None and not result.skipped and self.step % self.config.eval_every == 0:
-                self._evaluate_into_history(val_batches)
+            skipped = self.train_step(group).skipped
+            if val_batches is not None and not skipped and self.step % self.config.eval_every == 0:
+                self._add_val_loss(val_batches)
         self.log()
         if val_batches is not None and self.history and "val_loss" not in self.history[-1]:
-            self._evaluate_into_history(val_batches)
+            self._add_val_loss(val_batches)
         return self.history
 
-    def _evaluate_into_history(self, val_batches: Callable[[], Iterable[tuple[Tensor, Tensor]]]) -> None:
-        """Add ``val_loss`` to the row for the current step (writing that row first if needed)."""
-        if not self.history or self.history[-1]["step"] != self.step:
-            if self.log() is None:
-                return  # no step has run yet: nothing to attach a validation loss to
-        self.history[-1]["val_loss"] = self.evaluate(val_batches())
+    def _add_val_loss(self, val_batches: Callable[[], Iterable[tuple[Tensor, Tensor]]]) -> None:
+        """Write the current step's row if it is pending, and add ``val_loss`` to it."""
+        self.log()
+        self.history[-1]["val_loss"] = evaluate(self.model, val_batches(), self.device, self.config.precision)
         self._interval_started = time.perf_counter()  # evaluation time is not training throughput
 
 
-# ----- checks behind Trainer.state_dict_problems -----
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]], device: torch.device,
+             precision: str = "fp32") -> float:
+    """Mean loss per target token over ``batches``, in eval mode (no dropout), one sync at the end."""
+    was_training = model.training
+    model.eval()
+    total_loss = torch.zeros((), device=device)
+    total_tokens = torch.zeros((), device=device, dtype=torch.int64)
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision], enabled=precision != "fp32"):
+            logits = model(x)
+        total_loss += F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), ignore_index=IGNORE_INDEX,
+                                      reduction="sum")
+        total_tokens += (y != IGNORE_INDEX).sum()
+    model.train(was_training)
+    if total_tokens.item() == 0:
+        raise ValueError("evaluate: the batches hold no target tokens")
+    return (total_loss / total_tokens).item()
 
 
-def _pending_problems(pending: Any) -> list[str]:
-    """Whether the not-yet-logged steps are lists and tensors of one length."""
-    if not isinstance(pending, Mapping) or any(key not in pending for key in PENDING_KEYS):
-        return [f"pending: expected a dict with {', '.join(PENDING_KEYS)}"]
-    steps, rates = pending["steps"], pending["lr"]
-    if not isinstance(steps, list) or not all(_is_count(step) for step in steps):
-        return ["pending['steps']: expected a list of ints"]
-    length = len(steps)
-    plain = lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)  # noqa: E731
-    checks = [("lr", isinstance(rates, list) and len(rates) == length and all(map(plain, rates)),
-               f"a list of {length} numbers")]
-    checks += [(key, isinstance(pending[key], Tensor) and pending[key].shape == (length,),
-                f"a tensor of shape ({length},)") for key in ("loss", "grad_norm", "target_tokens")]
-    checks.append(("seconds", plain(pending["seconds"]), "a number"))
-    return [f"pending[{key!r}]: expected {expected}" for key, fits, expected in checks if not fits]
+def parse_trainer_state(state: Mapping[str, Any], trainer: Trainer) -> TrainerState:
+    """``state`` as a ``TrainerState`` that ``trainer`` applies without failing half-way, or a ``ValueError``.
+
+    Checked: every field present; the model's keys, shapes and dtypes; the optimizer's layout; loss scaling
+    on or off as in ``trainer``; the counters, history and unlogged steps by type. The values inside (a
+    learning rate, a moment's numbers) are the file's: see the trust model in ``torchbook.checkpoint``.
+    """
+    names = [field.name for field in dataclasses.fields(TrainerState)]
+    if not isinstance(state, Mapping) or any(name not in state for name in names):
+        found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"Trainer.load_state_dict: expected a dict with {', '.join(names)}; got {found}")
+    problems = [f"model: {line}" for line in state_dict_problems(trainer.model, state["model"])]
+    problems += optimizer_layout_problems(state["optimizer"], trainer.optimizer)
+    if not isinstance(state["scaler"], dict) or bool(state["scaler"]) != trainer.scaler.is_enabled():
+        problems.append(f"scaler: loss scaling (fp16) is {'on' if state['scaler'] else 'off'} in the state, "
+                        f"{'on' if trainer.scaler.is_enabled() else 'off'} now")
+    problems += [f"{key}: {state[key]!r}, expected an int >= 0" for key in ("step", "skipped_steps")
+                 if type(state[key]) is not int or state[key] < 0]
+    problems += [f"{key}: expected a {kind.__name__}" for key, kind in (("scheduler", dict), ("config", dict),
+                 ("history", list), ("unlogged", list), ("seconds_since_log", float)) if type(state[key]) is not kind]
+    if problems:
+        raise ValueError("Trainer.load_state_dict: the state does not fit this trainer; nothing was loaded:\n  "
+                         + "\n  ".join(problems))
+    try:  # copies, on this trainer's device: applying them cannot fail, and shares nothing with `state`
+        history = [dict(row) for row in state["history"]]
+        unlogged = [StepResult(**{**step, **{key: step[key].to(trainer.device) for key in ("loss", "grad_norm",
+                                                                                         "target_tokens")}})
+                    for step in state["unlogged"]]
+    except (TypeError, ValueError, KeyError, AttributeError) as error:  # a row that is not a dict of its fields
+        raise ValueError(f"Trainer.load_state_dict: a history row or unlogged step is unreadable ({error})") from error
+    return TrainerState(**{**state, "scheduler": dict(state["scheduler"]), "history": history, "unlogged": unlogged})

@@ -22,7 +22,8 @@ dtype, shape and byte range) and the raw bytes: loading it runs no code, and
 
 Every write goes through ``torchbook.files.atomic_write``; every error is a
 ``WeightsError`` naming the file (and the field) and is raised before the
-model changes.
+model changes. It builds on ``torchbook.state_dicts``: the unwrap of
+torch.compile and DDP wrappers, and the key/shape/dtype check before loading.
 """
 
 from __future__ import annotations
@@ -38,12 +39,11 @@ import torch
 from torch import nn
 
 from torchbook.files import atomic_write, atomic_write_text
+from torchbook.state_dicts import LISTED_KEYS, state_dict_problems, unwrap_model, unwrap_state_dict
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Metadata key of files written by earlier versions of this module (aliases as JSON); still read.
 LEGACY_ALIASES_KEY = "torchbook.aliases"
-WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DDP
-LISTED_KEYS = 12  # an error lists at most this many keys
 
 
 class WeightsError(RuntimeError):
@@ -53,46 +53,21 @@ class WeightsError(RuntimeError):
 # --------------------------------------------------------------------------- state dicts
 
 
-def unwrap_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop the key prefix a wrapper adds (``_orig_mod.``: torch.compile, ``module.``: DDP) when all keys have it."""
-    unwrapped = dict(state_dict)
-    stripped = True
-    while stripped and unwrapped:
-        stripped = False
-        for prefix in WRAPPER_PREFIXES:
-            if all(key.startswith(prefix) for key in unwrapped):
-                unwrapped = {key[len(prefix):]: value for key, value in unwrapped.items()}
-                stripped = True
-    return unwrapped
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain module inside a torch.compile (``_orig_mod``) or DDP (``.module``) wrapper."""
-    while True:
-        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
-
-
 def check_state_dict(model: nn.Module, state_dict: Mapping[str, Any], source: str | Path) -> None:
     """Raise WeightsError naming ``source`` unless every key, shape and dtype fits ``model`` (nothing loaded yet)."""
-    expected = unwrap_model(model).state_dict()
-    missing = [key for key in expected if key not in state_dict]
-    unexpected = [key for key in state_dict if key not in expected]
-    problems = [f"{len(keys)} {kind} keys: {', '.join(keys[:LISTED_KEYS])}"
-                + (f" and {len(keys) - LISTED_KEYS} more" if len(keys) > LISTED_KEYS else "")
-                for kind, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
-    for key, target in expected.items():
-        source_tensor = state_dict.get(key)
-        if source_tensor is not None and (source_tensor.shape != target.shape or source_tensor.dtype != target.dtype):
-            problems.append(f"{key}: {source_tensor.dtype} {tuple(source_tensor.shape)} in the file, "
-                            f"{target.dtype} {tuple(target.shape)} in the model")
+    problems = state_dict_problems(model, state_dict)
     if problems:
         raise WeightsError(f"{source}: does not fit {type(unwrap_model(model)).__name__} (architecture "
                            "mismatch); nothing was loaded:\n  " + "\n  ".join(problems))
+
+
+def _share_tied(state_dict: dict[str, torch.Tensor], ties: Iterable[list[str]]) -> None:
+    """Give each name of a tie group that ``state_dict`` lacks the tensor of one it holds (stored once, as safetensors does)."""
+    for names in ties:
+        present = [name for name in names if name in state_dict]
+        for name in names:
+            if present and name not in state_dict:
+                state_dict[name] = state_dict[present[0]]
 
 
 def drop_shared(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -209,11 +184,7 @@ def load_safetensors(model: nn.Module, path: str | Path) -> nn.Module:
     groups: dict[int, list[str]] = {}
     for name, tensor in inner.state_dict(keep_vars=True).items():
         groups.setdefault(id(tensor), []).append(name)
-    for names in groups.values():
-        present = [name for name in names if name in state_dict]
-        for name in names:
-            if present and name not in state_dict:
-                state_dict[name] = state_dict[present[0]]
+    _share_tied(state_dict, groups.values())
     check_state_dict(inner, state_dict, path)
     inner.load_state_dict(state_dict, strict=True)
     return model
@@ -335,11 +306,7 @@ def load_on_meta(build: Callable[[], nn.Module], state_dict: Mapping[str, torch.
     for name, parameter in model.named_parameters(remove_duplicate=False):
         ties.setdefault(id(parameter), []).append(name)
     state_dict = dict(state_dict)
-    for names in ties.values():  # a tied name the file stored once (safetensors) takes the stored tensor
-        present = [name for name in names if name in state_dict]
-        for name in names:
-            if present and name not in state_dict:
-                state_dict[name] = state_dict[present[0]]
+    _share_tied(state_dict, ties.values())
     check_state_dict(model, state_dict, source)
     model.load_state_dict(state_dict, assign=True, strict=True)
     for names in ties.values():
