@@ -3,12 +3,21 @@
 1. ``TokenDataset``: the map-style dataset most tutorials write (item ``i`` is the block starting
    at ``i * block_size`` of a Python list). Correct and slow: every token passes through the
    Python interpreter on every read.
-2. Shards: ``write_shard`` stores ids as a flat ``.bin`` (uint16 when the vocabulary fits, else
-   uint32) with a JSON sidecar; ``open_shard`` validates the pair and maps the file with
-   ``np.memmap``. ``cached_shards`` trusts a folder only when its index and every shard validate.
+2. Shards: ``write_shard`` stores ids in one ``.bin`` file, a JSON header padded to
+   ``HEADER_BYTES`` (dtype, token count, vocabulary size, tokenizer) followed by the ids, uint16
+   when the vocabulary fits, else uint32; llm.c's shards have the same shape. ``open_shard``
+   checks the header against the file's size and maps the ids with ``np.memmap``, both from one
+   open file. ``cached_shards`` trusts a folder only when its index and every shard validate.
 3. ``TokenStream``: an ``IterableDataset`` of whole batches. Each shard is viewed, without
    copying, as a table whose rows are its blocks, so a batch is one gather of rows per shard it
    touches. Use it with ``DataLoader(stream, batch_size=None)``.
+
+Concurrency: a shard is one file replaced by one atomic rename, so a process that opens it while
+another rewrites it reads the old shard or the new one, whole. ``cached_shards`` holds a lock on
+its folder while it checks and rebuilds, so processes that ask for the same cache at once (DDP
+ranks, two notebooks) build it once and all get it. Writing one folder with ``write_shards``
+from several processes, or asking ``cached_shards`` for different contents of one folder at
+once, is not supported: give each its own folder.
 
 How the stream divides the work: a *block* is ``block_size + 1`` tokens starting at a multiple of
 ``block_size`` inside one shard. Each epoch orders all blocks (a permutation seeded by
@@ -27,6 +36,7 @@ passes that count to ``state_dict(batches_consumed)``; a fresh stream given
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from itertools import pairwise
@@ -34,18 +44,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from filelock import FileLock  # installed with torch, which uses it too
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from torchbook.files import TEMPORARY_MARKER, atomic_write, atomic_write_text
 
 SHARD_FORMAT = "torchbook-token-shard"
-SHARD_VERSION = 1
+SHARD_VERSION = 2  # version 1 kept the header in a .json file beside the .bin
+HEADER_BYTES = 1024  # the JSON header, padded with spaces; the ids start here, aligned for uint16 and uint32
 UINT16_VOCAB_LIMIT = 1 << 16  # ids 0..65535 fit in two bytes
-TOKEN_DTYPES = ("uint16", "uint32")
 
 
 class ShardError(ValueError):
-    """A shard or its sidecar is missing, inconsistent, or does not fit the request."""
+    """A shard or its index is missing, inconsistent, or does not fit the request."""
 
 
 # ------------------------------------------------------------ 1. The tutorial version
@@ -54,15 +65,14 @@ class TokenDataset(Dataset):
 
     The version most tutorials write, kept to be measured: each item copies ``2 * block_size``
     Python ints into two new tensors, one by one. Its blocks are exactly ``TokenStream``'s over
-    one shard in file order.
+    one shard in file order. A package class, so DataLoader workers started with ``spawn`` can
+    unpickle it (a class defined in a notebook cannot be).
     """
 
     def __init__(self, tokens: Sequence[int], block_size: int) -> None:
         if block_size <= 0 or len(tokens) < block_size + 1:
-            raise ShardError(f"TokenDataset: block_size={block_size} needs at least {block_size + 1} tokens, "
-                             f"but the data has {len(tokens)}")
-        self.tokens = tokens
-        self.block_size = block_size
+            raise ShardError(f"TokenDataset: block_size={block_size} needs {block_size + 1} tokens; got {len(tokens)}")
+        self.tokens, self.block_size = tokens, block_size
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.block_size
@@ -75,7 +85,7 @@ class TokenDataset(Dataset):
 # ------------------------------------------------------------ 2. Shards on disk
 @dataclass(frozen=True)
 class ShardHeader:
-    """What the sidecar ``<shard>.json`` says about ``<shard>.bin``."""
+    """What the first ``HEADER_BYTES`` of a shard say about the ids after them."""
 
     dtype: str  # "uint16" or "uint32"
     num_tokens: int
@@ -86,46 +96,83 @@ class ShardHeader:
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned dtype that holds every id of a vocabulary: uint16 up to 65,536 ids."""
-    if type(vocab_size) is not int or not 0 < vocab_size <= 1 << 32:
-        raise ShardError(f"vocab_size={vocab_size!r}: expected an int in 1..2**32, the number of token ids")
+    """The smallest unsigned dtype that holds every id of a vocabulary: uint16 up to 65,536 ids, else uint32."""
     return np.dtype(np.uint16 if vocab_size <= UINT16_VOCAB_LIMIT else np.uint32)
 
 
-def sidecar_path(shard: Path | str) -> Path:
-    """The JSON sidecar that describes a ``.bin`` shard."""
-    return Path(shard).with_suffix(".json")
-
-
 def write_shard(path: Path | str, tokens: np.ndarray | Sequence[int], vocab_size: int, tokenizer: str) -> Path:
-    """Write token ids to ``path`` (a ``.bin`` file) and its sidecar; return the path.
+    """Write token ids to ``path`` (a ``.bin`` file) after their header; return the path.
 
-    Every argument and id is checked before anything is written. The old sidecar is removed
-    first, then the ``.bin`` and the new sidecar are each written with ``atomic_write``, the
-    sidecar last: a crash leaves no sidecar or one that describes the ``.bin``, never a stale one.
+    Every argument and id is checked before anything is written, and the file is written with
+    ``atomic_write``: a crash leaves the old shard or the new one, never a part.
     """
     path, ids = Path(path), np.asarray(tokens)
-    for wrong, message in (
-        (path.suffix != ".bin", "a shard's file name must end in .bin"),
-        (ids.ndim != 1 or ids.size == 0, f"expected a non-empty 1-D sequence of token ids, got shape {ids.shape}"),
-        (not np.issubdtype(ids.dtype, np.integer), f"token ids must be integers, got dtype {ids.dtype}"),
-        (not isinstance(tokenizer, str), f"tokenizer={tokenizer!r}: expected a string naming the tokenizer"),
-    ):
-        if wrong:
-            raise ShardError(f"{path}: {message}")
-    try:
-        dtype = token_dtype(vocab_size)
-    except ShardError as error:
-        raise ShardError(f"{path}: {error}; nothing was written") from None
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        bad = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
-        raise ShardError(f"{path}: token id {int(ids[bad])} at position {bad:,} is outside the vocabulary "
+    if path.suffix != ".bin" or ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer) \
+            or not isinstance(tokenizer, str) or type(vocab_size) is not int or not 0 < vocab_size <= 1 << 32:
+        raise ShardError(f"{path}: expected a .bin path, non-empty 1-D integer ids, vocab_size an int in 1..2**32 and "
+                         f"a tokenizer's name; got {ids.shape} {ids.dtype}, {vocab_size=!r:.20}, {tokenizer=!r:.16}")
+    dtype = token_dtype(vocab_size)
+    if (bad := np.flatnonzero((ids < 0) | (ids >= vocab_size))).size:
+        raise ShardError(f"{path}: token id {int(ids[bad[0]])} at position {bad[0]:,} is outside the vocabulary "
                          f"[0, {vocab_size}); nothing was written")
-    header = ShardHeader(dtype=dtype.name, num_tokens=int(ids.size), vocab_size=vocab_size, tokenizer=tokenizer)
-    sidecar_path(path).unlink(missing_ok=True)
-    atomic_write(path, lambda temporary: ids.astype(dtype).tofile(temporary))
-    atomic_write_text(sidecar_path(path), json.dumps(asdict(header), indent=2) + "\n")
-    return path
+    header = json.dumps(asdict(ShardHeader(dtype.name, int(ids.size), vocab_size, tokenizer))).encode("utf-8")
+    if len(header) >= HEADER_BYTES:
+        raise ShardError(f"{path}: a {len(header):,}-byte header does not fit in {HEADER_BYTES:,}; shorten tokenizer")
+
+    def write(temporary: Path) -> None:
+        with open(temporary, "wb") as handle:
+            handle.write(header.ljust(HEADER_BYTES - 1) + b"\n")  # `head -c 1024 shard.bin` prints the header
+            ids.astype(dtype).tofile(handle)
+
+    return atomic_write(path, write)
+
+
+# The header's fields and the Python type each must have.
+_HEADER_TYPES = {field.name: {"str": str, "int": int}[field.type] for field in fields(ShardHeader)}
+
+
+def _read_header(path: Path) -> tuple[ShardHeader, np.memmap]:
+    """Parse shard ``path``'s header, check it against the file's size and map the ids, all from one open file."""
+    try:
+        handle = open(path, "rb")
+    except FileNotFoundError:
+        raise ShardError(f"{path}: shard file is missing (expected a .bin written by write_shard)") from None
+    with handle:
+        try:  # not UTF-8 or JSON, a field missing or unknown, a vocabulary that is not an int in range
+            entry = json.loads(handle.read(HEADER_BYTES).decode("utf-8"))
+            header = ShardHeader(**entry)
+            stored = token_dtype(header.vocab_size).name
+        except (ValueError, TypeError, RecursionError) as error:
+            raise ShardError(f"{path}: no shard header in its first {HEADER_BYTES:,} bytes ({error})") from None
+        if any(type(entry.get(name)) is not kind for name, kind in _HEADER_TYPES.items()) \
+                or (header.format, header.version, header.dtype) != (SHARD_FORMAT, SHARD_VERSION, stored) \
+                or min(header.num_tokens, header.vocab_size) <= 0:
+            raise ShardError(f"{path}: header {entry!r:.200} is not one write_shard writes: format {SHARD_FORMAT!r} "
+                             f"version {SHARD_VERSION}, dtype {stored} for this vocabulary, counts > 0")
+        expected = HEADER_BYTES + header.num_tokens * np.dtype(header.dtype).itemsize
+        if (actual := os.fstat(handle.fileno()).st_size) != expected:
+            raise ShardError(f"{path}: header says {header.num_tokens:,} {header.dtype} tokens ({expected:,} bytes "
+                             f"with the header) but the file has {actual:,} bytes; was the write interrupted?")
+        return header, np.memmap(handle, dtype=header.dtype, mode="r", offset=HEADER_BYTES, shape=(header.num_tokens,))
+
+
+def read_header(path: Path | str) -> ShardHeader:
+    """Read and validate the header of shard ``path`` against the file's size."""
+    return _read_header(Path(path))[0]
+
+
+def open_shard(path: Path | str, check_ids: bool = False) -> np.memmap:
+    """Validate shard ``path`` and map its ids read-only as a 1-D array.
+
+    Header and ids come from one open file, so a shard replaced meanwhile is never half-read.
+    ``check_ids=True`` also reads the whole shard once to confirm every id is below the
+    vocabulary size (write_shard already checked when it wrote).
+    """
+    header, tokens = _read_header(Path(path))
+    if check_ids and (bad := np.flatnonzero(tokens >= header.vocab_size)).size:
+        raise ShardError(f"{path}: token id {int(tokens[bad[0]])} at position {bad[0]:,} is outside the vocabulary "
+                         f"[0, {header.vocab_size}) that its header declares")
+    return tokens
 
 
 def index_path(folder: Path | str, prefix: str = "shard") -> Path:
@@ -142,136 +189,67 @@ def write_shards(tokens: np.ndarray | Sequence[int], folder: Path | str, vocab_s
     """
     ids, folder = np.asarray(tokens), Path(folder)
     if type(tokens_per_shard) is not int or tokens_per_shard <= 0 or ids.ndim != 1 or ids.size == 0:
-        raise ShardError(f"{folder}: tokens_per_shard={tokens_per_shard!r} for {ids.shape} ids; expected a "
-                         "positive int and a non-empty 1-D sequence of ids")
+        raise ShardError(f"{folder}: {tokens_per_shard=!r} and ids of shape {ids.shape}; expected an int > 0, 1-D ids")
     index = index_path(folder, prefix)
     index.unlink(missing_ok=True)
     paths = [write_shard(folder / f"{prefix}_{number:03d}.bin", ids[start : start + tokens_per_shard], vocab_size,
                          tokenizer) for number, start in enumerate(range(0, len(ids), tokens_per_shard))]
-    entry = {"shards": [p.name for p in paths], "num_tokens": int(ids.size), "vocab_size": vocab_size,
-             "tokenizer": tokenizer}
-    atomic_write_text(index, json.dumps(entry, indent=2) + "\n")
+    atomic_write_text(index, json.dumps({"shards": [p.name for p in paths], "num_tokens": int(ids.size),
+                                         "vocab_size": vocab_size, "tokenizer": tokenizer}, indent=2) + "\n")
     return paths
 
 
 def read_shards(folder: Path | str, prefix: str = "shard") -> list[Path]:
     """The shards listed by ``folder``'s index, after validating the index and every shard against it."""
+    return _read_index(Path(folder), prefix)[0]
+
+
+def _read_index(folder: Path, prefix: str) -> tuple[list[Path], list[ShardHeader]]:
     index = index_path(folder, prefix)
-    entry = _read_fields(index, "a shard index written by write_shards",
-                         {"num_tokens": int, "vocab_size": int, "tokenizer": str})
-    names = entry.get("shards")
-    if not isinstance(names, list) or not names or not all(
-            isinstance(name, str) and Path(name).name == name and name.endswith(".bin") for name in names):
-        raise ShardError(f"{index}: field 'shards' is {names!r:.80}; expected a non-empty list of .bin file "
-                         "names in the index's folder")
-    paths = [Path(folder) / name for name in names]
-    headers = [read_header(p) for p in paths]
-    total = sum(h.num_tokens for h in headers)
-    if total != entry["num_tokens"]:
-        raise ShardError(f"{index}: field 'num_tokens' says {entry['num_tokens']!r} but its shards hold {total:,}")
-    for path, header in zip(paths, headers):
-        if (header.vocab_size, header.tokenizer) != (entry["vocab_size"], entry["tokenizer"]):
-            raise ShardError(f"{path}: tokenizer {header.tokenizer!r} / {header.vocab_size} ids disagrees with {index}")
-    return paths
+    try:
+        entry = json.loads(index.read_bytes().decode("utf-8"))
+        names = list(entry["shards"])
+        if not names or any(Path(name).name != name or not name.endswith(".bin") for name in names):
+            raise ValueError(f"field 'shards' is {names!r:.80}")
+    except (OSError, ValueError, TypeError, KeyError, RecursionError) as error:  # missing, not JSON, no list of names
+        raise ShardError(f"{index}: no index of .bin files in its folder, as write_shards writes ({error})") from None
+    paths = [folder / name for name in names]
+    headers = [read_header(path) for path in paths]
+    kinds, total = {(h.vocab_size, h.tokenizer) for h in headers}, sum(h.num_tokens for h in headers)
+    if kinds != {(entry.get("vocab_size"), entry.get("tokenizer"))} or total != entry.get("num_tokens"):
+        raise ShardError(f"{index}: says {entry.get('num_tokens')!r} tokens of tokenizer {entry.get('tokenizer')!r} "
+                         f"({entry.get('vocab_size')!r} ids), but its shards hold {total:,} of {sorted(kinds)}")
+    return paths, headers
 
 
 def cached_shards(folder: Path | str, make_tokens: Callable[[], np.ndarray], vocab_size: int, tokenizer: str,
                   tokens_per_shard: int, prefix: str = "shard") -> list[Path]:
     """The shards in ``folder`` if they are complete and made by this tokenizer; otherwise rebuild them.
 
-    A derived cache is trusted only after ``read_shards`` has validated the index and every
-    shard, never because one file exists: a run killed mid-write leaves a folder this rebuilds
-    instead of failing on forever. A cache cut at another ``tokens_per_shard`` is rebuilt too (the
-    cut decides which blocks exist). ``make_tokens()`` is called only to rebuild, after every
-    ``<prefix>_*`` file in ``folder`` is deleted.
+    A derived cache is trusted only after its index and every shard validate, never because one
+    file exists: a run killed mid-write leaves a folder this rebuilds instead of failing on
+    forever. A cache cut at another ``tokens_per_shard`` is rebuilt too (the cut decides which
+    blocks exist). ``make_tokens()`` is called only to rebuild. The check and the rebuild hold a
+    lock on the folder, so processes asking at once build it once (see the module docstring);
+    shards are replaced, never deleted first, so their readers see old or new ones.
     """
-    try:
-        paths = read_shards(folder, prefix)
-        headers = [read_header(path) for path in paths]
-        counts = [h.num_tokens for h in headers]
-        if all((h.vocab_size, h.tokenizer) == (vocab_size, tokenizer) for h in headers) \
-                and set(counts[:-1]) <= {tokens_per_shard} and counts[-1] <= tokens_per_shard:
-            return paths
-    except ShardError:
-        pass
-    for stale in [*Path(folder).glob(f"{prefix}_*"), *Path(folder).glob(f".{prefix}_*{TEMPORARY_MARKER}*")]:
-        stale.unlink()
-    return write_shards(make_tokens(), folder, vocab_size, tokenizer, tokens_per_shard, prefix)
-
-
-def _read_fields(path: Path, expected: str, types: dict[str, type]) -> dict:
-    """Parse a JSON object whose fields must have ``types`` (a bool is not an int); every error names ``path``."""
-    if not path.is_file():
-        raise ShardError(f"{path}: missing; expected {expected}")
-    try:
-        entry = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as error:
-        raise ShardError(f"{path}: not UTF-8 text ({error}); expected {expected}") from error
-    except json.JSONDecodeError as error:
-        raise ShardError(f"{path}: not JSON ({error}); expected {expected}") from error
-    if not isinstance(entry, dict):
-        raise ShardError(f"{path}: holds a JSON {type(entry).__name__}; expected an object, {expected}")
-    for name, kind in types.items():
-        value = entry.get(name)
-        if name not in entry or not isinstance(value, kind) or isinstance(value, bool):
-            found = "missing" if name not in entry else f"{value!r} ({type(value).__name__})"
-            raise ShardError(f"{path}: field {name!r} is {found}; expected {kind.__name__}")
-    return entry
-
-
-# The sidecar's fields and the Python type each must have.
-_HEADER_TYPES = {field.name: {"str": str, "int": int}[field.type] for field in fields(ShardHeader)}
-
-
-def read_header(path: Path | str) -> ShardHeader:
-    """Read and validate the sidecar of shard ``path`` against the shard's size on disk."""
-    path = Path(path)
-    meta = sidecar_path(path)
-    if not path.is_file():
-        raise ShardError(f"{path}: shard file is missing (expected a .bin written by write_shard)")
-    if not meta.is_file():
-        raise ShardError(f"{meta}: sidecar is missing; without it {path.name} has no known dtype or length")
-    entry = _read_fields(meta, "a shard sidecar written by write_shard", _HEADER_TYPES)
-    unknown = sorted(set(entry) - set(_HEADER_TYPES))
-    if unknown:
-        raise ShardError(f"{meta}: unknown field(s) {unknown}; expected only {sorted(_HEADER_TYPES)}")
-    header = ShardHeader(**entry)
-    for wrong, message in (
-        ((header.format, header.version) != (SHARD_FORMAT, SHARD_VERSION),
-         f"format {header.format!r} version {header.version}, expected {SHARD_FORMAT!r} version {SHARD_VERSION}"),
-        (header.num_tokens <= 0, f"field 'num_tokens' is {header.num_tokens}; a shard holds at least one token"),
-        (header.vocab_size <= 0, f"field 'vocab_size' is {header.vocab_size}; expected a positive number of ids"),
-        (header.dtype not in TOKEN_DTYPES, f"dtype {header.dtype!r}, expected one of {TOKEN_DTYPES}"),
-    ):
-        if wrong:
-            raise ShardError(f"{meta}: {message}")
-    stored = token_dtype(header.vocab_size).name
-    if header.dtype != stored:
-        raise ShardError(f"{meta}: dtype {header.dtype} disagrees with vocab_size {header.vocab_size:,}, "
-                         f"which write_shard stores as {stored}")
-    expected_bytes, actual_bytes = header.num_tokens * np.dtype(header.dtype).itemsize, path.stat().st_size
-    if actual_bytes != expected_bytes:
-        other = "uint32" if header.dtype == "uint16" else "uint16"
-        hint = (f"; that is exactly {header.num_tokens:,} {other} tokens, was it written with another dtype?"
-                if actual_bytes == header.num_tokens * np.dtype(other).itemsize else "; was the write interrupted?")
-        raise ShardError(f"{path}: header says {header.num_tokens:,} {header.dtype} tokens ({expected_bytes:,} bytes) "
-                         f"but the file has {actual_bytes:,} bytes{hint}")
-    return header
-
-
-def open_shard(path: Path | str, check_ids: bool = False) -> np.memmap:
-    """Validate shard ``path`` and map it read-only as a 1-D array of token ids.
-
-    ``check_ids=True`` also reads the whole shard once to confirm every id is below the
-    vocabulary size (write_shard already checked when it wrote).
-    """
-    header = read_header(path)
-    tokens = np.memmap(path, dtype=header.dtype, mode="r", shape=(header.num_tokens,))
-    if check_ids and tokens.max() >= header.vocab_size:
-        position = int(np.argmax(tokens >= header.vocab_size))
-        raise ShardError(f"{path}: token id {int(tokens.max())} (first bad one at position {position:,}) is outside "
-                         f"the vocabulary [0, {header.vocab_size}) that its sidecar declares")
-    return tokens
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with FileLock(folder / f".{prefix}.lock"):  # released by the system if this process dies
+        try:
+            paths, headers = _read_index(folder, prefix)
+            counts = [h.num_tokens for h in headers]
+            if (headers[0].vocab_size, headers[0].tokenizer) == (vocab_size, tokenizer) \
+                    and set(counts[:-1]) <= {tokens_per_shard} and counts[-1] <= tokens_per_shard:
+                return paths
+        except ShardError:
+            pass
+        paths = write_shards(make_tokens(), folder, vocab_size, tokenizer, tokens_per_shard, prefix)
+        # Shards of an older, longer cut and leftovers of killed writes:
+        for stale in {*folder.glob(f"{prefix}_*"), *folder.glob(f".{prefix}_*{TEMPORARY_MARKER}*")} - {
+                *paths, index_path(folder, prefix)}:
+            stale.unlink(missing_ok=True)
+        return paths
 
 
 # ------------------------------------------------------------ 3. Streaming batches from shards
@@ -297,42 +275,33 @@ class TokenStream(IterableDataset):
 
     ``y`` is ``x`` shifted by one token. Use with ``DataLoader(stream, batch_size=None,
     num_workers=...)``; every worker and every rank reads disjoint batches (see the module
-    docstring). Shards are validated in the constructor and mapped lazily in each worker.
+    docstring). Shards are validated in the constructor and mapped lazily in each worker; a
+    shard rewritten with another length in between is refused, not read past its end.
     """
 
     def __init__(self, shards: Sequence[Path | str], config: StreamConfig) -> None:
-        for wrong, message in ((not shards, "TokenStream: no shards given"),
-                               (config.block_size <= 0 or config.batch_size <= 0,
-                                f"{config}: block_size and batch_size must be positive"),
-                               (not 0 <= config.rank < config.world_size, f"{config}: expected 0 <= rank < world_size")):
-            if wrong:
-                raise ShardError(message)
-        self.paths, self.config = [Path(p) for p in shards], config
-        headers = [read_header(p) for p in self.paths]
-        for path, header in zip(self.paths[1:], headers[1:]):
-            if (header.vocab_size, header.tokenizer) != (headers[0].vocab_size, headers[0].tokenizer):
-                raise ShardError(f"{path}: ids from tokenizer {header.tokenizer!r} with {header.vocab_size:,} ids, but "
-                                 f"{self.paths[0].name} has {headers[0].tokenizer!r} with {headers[0].vocab_size:,}; "
-                                 f"one stream must hold ids of one tokenizer")
-        counts = np.array([h.num_tokens for h in headers], dtype=np.int64)
-        block, names = config.block_size, ", ".join(map(str, self.paths))
+        self.paths, self.config, block = [Path(p) for p in shards], config, config.block_size
+        if not shards or min(block, config.batch_size) <= 0 or not 0 <= config.rank < config.world_size:
+            raise ShardError(f"TokenStream: {len(shards)} shards and {config}; expected at least one shard, positive "
+                             "block_size and batch_size, and 0 <= rank < world_size")
+        self.headers, names = [read_header(p) for p in self.paths], ", ".join(map(str, self.paths))
+        if len(kinds := {(h.tokenizer, h.vocab_size) for h in self.headers}) > 1:
+            raise ShardError(f"{names}: ids of {len(kinds)} tokenizers {sorted(kinds)}; a stream reads one tokenizer's")
+        counts = np.array([h.num_tokens for h in self.headers], dtype=np.int64)
         # A block needs block_size + 1 tokens; consecutive blocks share one token.
         blocks_per_shard = self.blocks_per_shard = np.maximum((counts - 1) // block, 0)
         self.num_blocks = int(blocks_per_shard.sum())
-        if self.num_blocks == 0:
-            raise ShardError(f"{names}: block_size={block} needs at least {block + 1} tokens "
-                             f"in one shard, but the longest has {int(counts.max()):,}")
         self.block_shard = np.repeat(np.arange(len(self.paths), dtype=np.int32), blocks_per_shard)
         self.block_start = np.concatenate([np.arange(n, dtype=np.int64) * block for n in blocks_per_shard])
         # Tokens after each shard's last full block (a whole shard, if it is too short) are in no x or y.
-        used_tokens = np.where(blocks_per_shard > 0, blocks_per_shard * block + 1, 0)
-        self.unused_tail_tokens = int((counts - used_tokens).sum())
+        self.unused_tail_tokens = int((counts - np.where(blocks_per_shard > 0, blocks_per_shard * block + 1, 0)).sum())
         per_step = config.world_size * config.batch_size
         self.batches_per_epoch = self.num_blocks // per_step  # on each rank
         if self.batches_per_epoch == 0:
-            raise ShardError(f"{names}: {self.num_blocks:,} blocks of {block} tokens are fewer than one step "
-                             f"of {config.world_size} rank(s) x {config.batch_size} blocks")
+            raise ShardError(f"{names}: {self.num_blocks:,} blocks of block_size={block} (each needs {block + 1} tokens"
+                             f" in a shard; the longest has {counts.max():,}), under one step of {per_step} blocks")
         self.dropped_blocks_per_epoch = self.num_blocks - self.batches_per_epoch * per_step
+        self.total_batches = None if config.epochs is None else config.epochs * self.batches_per_epoch  # None: forever
         self.start_batch = 0  # position to resume from, in batches this rank has consumed
         self._blocks: list[np.ndarray] | None = None  # each shard viewed as blocks, made lazily once per process
 
@@ -343,37 +312,29 @@ class TokenStream(IterableDataset):
         Count from the very start of training (not from the last resume). The configuration is
         saved too: a stream that would order batches differently refuses the position rather than skip data.
         """
-        if batches_consumed < 0:
-            raise ValueError(f"batches_consumed={batches_consumed}: expected a count >= 0")
-        return self._layout() | {"batches_consumed": int(batches_consumed)}
-
-    def _layout(self) -> dict:
-        return {key: getattr(self.config, key) for key in _POSITION_KEYS} | {"num_blocks": self.num_blocks}
+        return {key: getattr(self.config, key) for key in _POSITION_KEYS} | {
+            "num_blocks": self.num_blocks, "batches_consumed": batches_consumed}
 
     def load_state_dict(self, state: dict) -> None:
         """Start the next iteration at the batch after the ``batches_consumed`` saved in ``state``."""
-        expected = self._layout()
-        missing = sorted({*expected, "batches_consumed"} - set(state)) if isinstance(state, dict) else ["everything"]
-        if missing:
-            raise ValueError(f"stream state lacks {missing}; expected a dict from TokenStream.state_dict")
-        differs = {key: (state[key], value) for key, value in expected.items() if state[key] != value}
+        expected = self.state_dict(0)
+        if not isinstance(state, dict) or set(state) != set(expected):
+            raise ValueError(f"stream state {state!r:.80} lacks or adds to the keys {sorted(expected)} of "
+                             "TokenStream.state_dict")
+        differs = [f"{key} saved {state[key]!r} but this stream has {value!r}"
+                   for key, value in expected.items() if key != "batches_consumed" and state[key] != value]
+        position, total = state["batches_consumed"], self.total_batches
+        if type(position) is not int or not 0 <= position <= (position if total is None else total):
+            differs.append(f"batches_consumed={position!r}, expected an int in 0..{total}")
         if differs:
-            detail = ", ".join(f"{key} saved {saved!r} but this stream has {now!r}" for key, (saved, now) in differs.items())
-            raise ValueError(f"cannot resume this stream: {detail}")
-        position, total = state["batches_consumed"], self._total_batches()
-        if type(position) is not int or position < 0 or (total is not None and position > total):
-            raise ValueError(f"batches_consumed={position!r}: expected an int in 0..{total} for this stream")
+            raise ValueError(f"cannot resume this stream: {', '.join(differs)}")
         self.start_batch = position
-
-    def _total_batches(self) -> int | None:
-        return None if self.config.epochs is None else self.config.epochs * self.batches_per_epoch
 
     def __len__(self) -> int:
         """Batches one iteration yields on this rank, from the current start position."""
-        total = self._total_batches()
-        if total is None:
+        if self.total_batches is None:
             raise TypeError("TokenStream with epochs=None repeats forever and has no length")
-        return total - self.start_batch
+        return self.total_batches - self.start_batch
 
     # -- order
     def epoch_order(self, epoch: int) -> np.ndarray:
@@ -382,9 +343,8 @@ class TokenStream(IterableDataset):
         Seeded by the pair ``(seed, epoch)``, so seed 1 epoch 0 and seed 0
         epoch 1 are different orders (``seed + epoch`` would make them equal).
         """
-        if not self.config.shuffle:
-            return np.arange(self.num_blocks)
-        return np.random.default_rng((self.config.seed, epoch)).permutation(self.num_blocks)
+        order = np.random.default_rng((self.config.seed, epoch)).permutation if self.config.shuffle else np.arange
+        return order(self.num_blocks)
 
     def rank_batches(self, epoch: int) -> np.ndarray:
         """Block ids of this rank's batches in ``epoch``, shape ``(batches_per_epoch, batch_size)``."""
@@ -401,43 +361,40 @@ class TokenStream(IterableDataset):
         return {**self.__dict__, "_blocks": None}
 
     def _block_views(self) -> list[np.ndarray]:
-        """Each shard's memmap viewed, read-only, as a table whose row ``i`` is the block starting at ``i * block_size``.
+        """Each shard's memmap viewed, read-only, as a table whose row ``i`` is the block at ``i * block_size``.
 
         Nothing is copied (consecutive rows share one token); a batch is a gather of whole rows.
         """
-        block = self.config.block_size
-        views = []
-        for path, rows in zip(self.paths, self.blocks_per_shard):
+        block, views = self.config.block_size, []
+        for path, header, rows in zip(self.paths, self.headers, self.blocks_per_shard):
             tokens = open_shard(path)
+            if (len(tokens), tokens.dtype.name) != (header.num_tokens, header.dtype):
+                raise ShardError(f"{path}: holds {len(tokens):,} {tokens.dtype} tokens, but {header.num_tokens:,} "
+                                 f"{header.dtype} when this stream was built; it was rewritten: build a new stream")
             views.append(np.lib.stride_tricks.as_strided(tokens, shape=(int(rows), block + 1), writeable=False,
                                                          strides=(block * tokens.itemsize, tokens.itemsize)))
         return views
 
     def _gather(self, block_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read blocks ``block_ids`` (sorted, as rank_batches gives them) as int64 ``(x, y)``, one row copy per shard."""
-        if self._blocks is None:
-            self._blocks = self._block_views()
+        """Read blocks ``block_ids`` (sorted, as rank_batches gives them) as int64 ``(x, y)``, one gather per shard."""
+        self._blocks = self._blocks or self._block_views()  # mapped on first use, in each worker
         shard_of = self.block_shard[block_ids]  # non-decreasing: rank_batches sorts each batch
         row_of = self.block_start[block_ids] // self.config.block_size  # the block's row in its shard's view
-        if shard_of[0] == shard_of[-1]:
-            rows = self._blocks[shard_of[0]][row_of]  # the common case with large shards: one gather
-        else:
-            rows = np.empty((len(block_ids), self.config.block_size + 1), dtype=self._blocks[0].dtype)
+        if shard_of[0] == shard_of[-1]:  # the common case with large shards: one gather of whole rows
+            rows = self._blocks[shard_of[0]][row_of]
+        else:  # one gather per shard (np.take would first copy the whole overlapping view)
             cuts = [0, *(np.flatnonzero(np.diff(shard_of)) + 1), len(block_ids)]  # where the shard changes
-            for first, end in pairwise(cuts):
-                rows[first:end] = self._blocks[shard_of[first]][row_of[first:end]]
+            rows = np.concatenate([self._blocks[shard_of[first]][row_of[first:end]] for first, end in pairwise(cuts)])
         # astype copies, so x and y come out contiguous (y.view(-1) works) and writable.
         return torch.from_numpy(rows[:, :-1].astype(np.int64)), torch.from_numpy(rows[:, 1:].astype(np.int64))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         worker = get_worker_info()
         num_workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
-        total = self._total_batches()
-        position = self.start_batch + worker_id  # this worker's first batch
-        epoch, batches = None, None
-        while total is None or position < total:
-            if position // self.batches_per_epoch != epoch:
-                epoch = position // self.batches_per_epoch
-                batches = self.rank_batches(epoch)
-            yield self._gather(batches[position % self.batches_per_epoch])
+        position, current_epoch = self.start_batch + worker_id, None  # this worker's first batch
+        while self.total_batches is None or position < self.total_batches:
+            epoch, batch = divmod(position, self.batches_per_epoch)
+            if epoch != current_epoch:
+                batches, current_epoch = self.rank_batches(epoch), epoch
+            yield self._gather(batches[batch])
             position += num_workers
