@@ -199,7 +199,9 @@ def predict_peak(config: GPTConfig, shape: TrainingShape) -> int:
       two float32 gradients of V per token;
     - each block's backward, last block first: the activations not yet freed,
       the gradients made so far and this block's, two residual-stream
-      gradients, and with checkpointing the block's recomputed activations;
+      gradients, with checkpointing the block's recomputed activations, and on
+      SDPA's math path the gradient of one (T, T) tensor per head (less the
+      block's MLP tensors, freed by the time attention's backward runs);
     - the optimizer step: every gradient.
 
     Gradients are None until the backward pass (``zero_grad(set_to_none=True)``).
@@ -212,11 +214,17 @@ def predict_peak(config: GPTConfig, shape: TrainingShape) -> int:
     block_params = (parameter_count(config) - config.vocab_size * width - 2 * width) // config.n_layer
     block_grads = FP32 * block_params * grad_share
     always = memory.parameters + memory.optimizer_states + tokens * config.vocab_size * low
-    recompute = 0
+    recompute = 0  # what a block's backward holds beyond the saved tensors
     if shape.checkpointing:  # one block's saved tensors, made again, and its weights' low-precision copies
         unsaved = TrainingShape(shape.batch_size, shape.seq_len, shape.precision, device_type=shape.device_type)
         recompute = activation_terms(config, unsaved)["blocks"] // config.n_layer
         recompute += 2 * (matmul_parameter_count(config) - config.vocab_size * width) // config.n_layer if low < FP32 else 0
+    if config.dropout > 0 and shape.device_type == "cpu":
+        # The math path's backward peaks in attention, holding the gradient of one (T, T) tensor per head;
+        # the MLP's saved tensors of that block are freed by then.
+        mask = low * width  # the MLP's dropout mask
+        mlp_saved = FP32 * width + 2 * FP32 + low * (width + 2 * MLP_EXPANSION * width) + mask
+        recompute += max(0, (FP32 * config.n_head * shape.seq_len - mlp_saved) * tokens)
     moments = [always + memory.activations + 2 * FP32 * tokens * config.vocab_size]
     remaining = memory.activations - terms["cross-entropy"] - terms["final norm and head"]
     grads = FP32 * (config.vocab_size * width + 2 * width) * grad_share  # tied head and final LayerNorm
