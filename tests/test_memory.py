@@ -90,8 +90,9 @@ def test_sharding_divides_what_each_zero_stage_shards(sharding, divided):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_predicted_peak_is_within_ten_percent_of_the_allocators(checkpointing):
-    config = replace(CONFIG, activation_checkpointing=checkpointing)
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_predicted_peak_is_within_ten_percent_of_the_allocators(checkpointing, dropout):
+    config = replace(CONFIG, dropout=dropout, activation_checkpointing=checkpointing)
     shape = replace(SHAPE, checkpointing=checkpointing)
     model, idx, targets = model_and_batch(config, shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

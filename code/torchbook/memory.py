@@ -218,7 +218,8 @@ def predict_peak(config: GPTConfig, shape: TrainingShape) -> int:
     if shape.checkpointing:  # one block's saved tensors, made again, and its weights' low-precision copies
         unsaved = TrainingShape(shape.batch_size, shape.seq_len, shape.precision, device_type=shape.device_type)
         recompute = activation_terms(config, unsaved)["blocks"] // config.n_layer
-        recompute += 2 * (matmul_parameter_count(config) - config.vocab_size * width) // config.n_layer if low < FP32 else 0
+        if low < FP32:
+            recompute += 2 * (matmul_parameter_count(config) - config.vocab_size * width) // config.n_layer
     if config.dropout > 0 and shape.device_type == "cpu":
         # The math path's backward peaks in attention, holding the gradient of one (T, T) tensor per head;
         # the MLP's saved tensors of that block are freed by then.
