@@ -1,7 +1,8 @@
 """Where a GPT's training memory and FLOPs go: predicted from its config, and measured.
 
-Builds on: ``torchbook.models`` (``GPTConfig`` and the ``GPT`` whose saved tensors
-the formula counts, one by one) and ``torchbook.profiles`` (the precisions).
+It builds on ``torchbook.models`` (``GPTConfig`` and the ``GPT`` whose saved
+tensors the formula counts, one by one) and ``torchbook.profiles`` (the
+precisions, and the gpu sizes whose fit it predicts).
 
 Training memory has four kinds (Rajbhandari et al. 2020, "ZeRO"):
 
