@@ -144,7 +144,7 @@ class Run:
         return resumed
 
     def train_until(self, until_step: int) -> None:
-        """The script's training loop: optimizer steps until ``trainer.step == until_step``, saving every ``save_every``."""
+        """The script's training loop: steps until ``trainer.step == until_step``, saving every ``save_every``."""
         if self.batches is None:
             self.batches = iter(self.stream)
         while self.trainer.step < until_step:

@@ -153,7 +153,7 @@ def save_weights(model: nn.Module, path: str | Path) -> Path:
 
 
 def load_weights(model: nn.Module, path: str | Path, *, mmap: bool = False) -> nn.Module:
-    """Load weights saved by ``save_weights`` (any ``torch.save(state_dict)``), or a training checkpoint's, checked first."""
+    """Load the weights of ``save_weights`` (any ``torch.save(state_dict)``) or of a training checkpoint, checked first."""
     path = Path(path)
     state_dict = read_torch_file(path, mmap=mmap)
     if isinstance(state_dict, Mapping) and state_dict.get("format") == TRAINING_FORMAT:
@@ -169,7 +169,7 @@ def load_weights(model: nn.Module, path: str | Path, *, mmap: bool = False) -> n
 
 # --------------------------------------------------------------------------- configurations
 def config_as_dict(config: Any) -> dict[str, Any] | None:
-    """A configuration dataclass as a dict of its fields (``weights_only`` refuses the dataclass); a dict or None as is."""
+    """A configuration dataclass as a dict of its fields (``weights_only`` refuses dataclasses); others as they are."""
     return dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else config
 
 
@@ -214,7 +214,8 @@ class RngState:
         try:
             algorithm, keys, *rest = saved["numpy"]
             state = cls(python=tuple(saved["python"]), numpy=(algorithm, np.array(keys, dtype=np.uint32), *rest),
-                        torch_cpu=saved["torch_cpu"], torch_cuda=list(saved["torch_cuda"]), torch_mps=saved["torch_mps"])
+                        torch_cpu=saved["torch_cpu"], torch_cuda=list(saved["torch_cuda"]),
+                        torch_mps=saved["torch_mps"])
             for name, setter in (("python", random.Random().setstate), ("numpy", np.random.RandomState().set_state),
                                  ("torch_cpu", torch.Generator().set_state)):
                 setter(getattr(state, name))
@@ -250,14 +251,6 @@ def checkpoint_name(sequence: int, step: int) -> str:
     return f"ckpt-{sequence:06d}-step-{step:08d}.pt"
 
 
-def checkpoint_step(path: str | Path) -> int:
-    """The step a checkpoint was taken after, from its name."""
-    match = CHECKPOINT_PATTERN.match(Path(path).name)
-    if match is None:
-        raise CheckpointError(f"{path}: not a checkpoint name (expected ckpt-<sequence>-step-<step>.pt)")
-    return int(match.group(2))
-
-
 def list_checkpoints(folder: str | Path) -> list[Path]:
     """Training checkpoint files in ``folder``, in the order they were saved (temporaries never match)."""
     folder = Path(folder)
@@ -274,7 +267,7 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
 def save_training_checkpoint(folder: str | Path, trainer_state: Mapping[str, Any], *,
                              data_state: Mapping[str, Any] | None = None, model_config: Any = None,
                              keep_last: int = 3) -> Path:
-    """Write ``trainer_state`` (``Trainer.state_dict()``), the RNG states and the data position; keep the newest ``keep_last``.
+    """Write ``trainer_state`` (``Trainer.state_dict()``), the RNG states and the data position; keep ``keep_last``.
 
     Call it after an optimizer step, before the next batch is drawn. The name takes the next sequence
     past every name in ``folder`` that looks like a checkpoint. Nothing is written unless ``weights_only``
@@ -309,7 +302,6 @@ class TrainingCheckpoint:
     rng: RngState
     data: dict[str, Any] | None  # the data stream's state_dict: pass it to the stream's load_state_dict
     model_config: dict[str, Any] | None
-
 
 
 def read_training_checkpoint(path: str | Path) -> TrainingCheckpoint:
@@ -353,9 +345,10 @@ def load_training_checkpoint(path: str | Path, trainer: Any, *, model_config: An
     applied by the trainer and listed in ``Resumed.train_config_changes``.
     """
     checkpoint = read_training_checkpoint(path)
-    problems = [f"model configuration: {line}" for line in
-                config_differences(checkpoint.model_config, config_as_dict(model_config))] if model_config is not None else []
-    problems += checkpoint.rng.problems_here() if restore_rng else []
+    problems = checkpoint.rng.problems_here() if restore_rng else []
+    if model_config is not None:
+        problems += [f"model configuration: {line}"
+                     for line in config_differences(checkpoint.model_config, config_as_dict(model_config))]
     _refuse(problems, f"{checkpoint.path}: cannot be restored; nothing was loaded")
     try:
         trainer.load_state_dict(checkpoint.trainer)

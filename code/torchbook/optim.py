@@ -158,7 +158,8 @@ def optimizer_layout_problems(saved: Mapping[str, Any], optimizer: torch.optim.O
     for index, entry in saved["state"].items():
         problems += [f"optimizer state of parameter {index}: {name!r} has shape {tuple(value.shape)}, "
                      f"the parameter {tuple(shapes[index])}" for name, value in entry.items()
-                     if index in shapes and isinstance(value, Tensor) and value.dim() > 0 and value.shape != shapes[index]]
+                     if index in shapes and isinstance(value, Tensor) and value.dim() > 0
+                     and value.shape != shapes[index]]
     return problems
 
 

@@ -344,8 +344,7 @@ def evaluate(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]], device:
     """Mean loss per target token over ``batches``, in eval mode (no dropout), one sync at the end."""
     was_training = model.training
     model.eval()
-    total_loss = torch.zeros((), device=device)
-    total_tokens = torch.zeros((), device=device, dtype=torch.int64)
+    total_loss, total_tokens = torch.zeros((), device=device), torch.zeros((), device=device, dtype=torch.int64)
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision], enabled=precision != "fp32"):
