@@ -363,16 +363,15 @@ DAMAGES = {
 }
 
 
-@pytest.mark.parametrize("name", list(DAMAGES))
-def test_a_damaged_checkpoint_names_the_file_and_changes_nothing(tmp_path, name):
-    damage, message = DAMAGES[name]
-    path = damaged(ckpt.save_training_checkpoint(tmp_path, trained(steps=4).state_dict()), damage)
-    target = trained(seed=1, steps=1)
-    weights, optimizer_state = snapshot(target.model), copy.deepcopy(target.optimizer.state_dict())
-    scheduler_state, step, history = target.scheduler.state_dict(), target.step, list(target.history)
-    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
-    with pytest.raises(CheckpointError, match=rf"(?s){path}: .*{message}"):
-        ckpt.load_training_checkpoint(path, target)
+def trainer_and_globals(target: Trainer) -> tuple:
+    """Copies of everything a load could change: the trainer's state and the global generators."""
+    return (snapshot(target.model), copy.deepcopy(target.optimizer.state_dict()), target.scheduler.state_dict(),
+            target.step, list(target.history), target.scaler.get_scale(),
+            torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+
+
+def assert_unchanged(target: Trainer, before: tuple) -> None:
+    weights, optimizer_state, scheduler_state, step, history, scale, torch_rng, python_rng, numpy_keys = before
     assert_same_tensors(snapshot(target.model), weights)
     after = target.optimizer.state_dict()
     assert after["param_groups"] == optimizer_state["param_groups"]
@@ -380,9 +379,52 @@ def test_a_damaged_checkpoint_names_the_file_and_changes_nothing(tmp_path, name)
         for key, value in entries.items():
             assert torch.equal(after["state"][index][key], value), f"optimizer {index}.{key} changed"
     assert target.scheduler.state_dict() == scheduler_state
-    assert (target.step, target.history, target.scaler.get_scale()) == (step, history, 2.0**16)
-    assert torch.equal(torch.get_rng_state(), rng[0]) and random.getstate() == rng[1], "a global generator changed"
-    assert (np.random.get_state()[1] == rng[2]).all(), "NumPy's generator changed"
+    assert (target.step, target.history, target.scaler.get_scale()) == (step, history, scale)
+    assert torch.equal(torch.get_rng_state(), torch_rng) and random.getstate() == python_rng, "a generator changed"
+    assert (np.random.get_state()[1] == numpy_keys).all(), "NumPy's generator changed"
+
+
+@pytest.mark.parametrize("name", list(DAMAGES))
+def test_a_damaged_checkpoint_names_the_file_and_changes_nothing(tmp_path, name):
+    damage, message = DAMAGES[name]
+    path = damaged(ckpt.save_training_checkpoint(tmp_path, trained(steps=4).state_dict()), damage)
+    target = trained(seed=1, steps=1)
+    before = trainer_and_globals(target)
+    with pytest.raises(CheckpointError, match=rf"(?s){path}: .*{message}"):
+        ckpt.load_training_checkpoint(path, target)
+    assert_unchanged(target, before)
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def rot_a_tensor(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)  # inside the largest tensors' bytes
+    path.write_bytes(bytes(data))
+
+
+def add_a_payload(path: Path) -> None:
+    state = torch.load(path, weights_only=True)
+    state["trainer"]["history"].append(WritesMarkerWhenUnpickled(path.parent / "code_ran"))
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (truncate, r"truncated torch.save archive"),
+    (rot_a_tensor, r"corrupt torch.save file \(member .* fails its CRC"),
+    (add_a_payload, r"refused by torch.load\(weights_only=True\)"),
+], ids=["truncated", "bit-rot", "code-running-pickle"])
+def test_a_broken_or_crafted_training_checkpoint_changes_nothing(tmp_path, damage, message):
+    path = ckpt.save_training_checkpoint(tmp_path, trained(steps=4).state_dict())
+    damage(path)
+    target = trained(seed=1, steps=1)
+    before = trainer_and_globals(target)
+    with pytest.raises(CheckpointError, match=rf"{path}: {message}"):
+        ckpt.load_training_checkpoint(path, target)
+    assert_unchanged(target, before)
+    assert not (tmp_path / "code_ran").exists(), "loading ran the file's code"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

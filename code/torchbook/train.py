@@ -225,19 +225,18 @@ class Trainer:
         in ``skipped_steps``, not ``step``."""
         if len(micro_batches) == 0:
             raise ValueError("Trainer.train_step: got no micro-batches; a step needs at least one")
-        # GradScaler does not say whether it skipped a step, but it halves its scale exactly when it
-        # did, and a skipped step must advance neither the step count nor the schedule. Reading the
-        # scale is a host sync (.item()), so it happens only with the fp16 scaler on; read here, before
-        # this step's work is queued, it waits for nothing: the previous step's read emptied the queue.
+        # GradScaler halves its scale exactly when it skips a step, which must advance neither the step count
+        # nor the schedule. Reading the scale is a host sync, so it is read only with the fp16 scaler on; here,
+        # before this step's work is queued, the read waits for nothing (the previous step's emptied the queue).
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
         step_loss, target_tokens = self.accumulate_gradients(micro_batches)
         grad_norm = self.clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses, before the schedule moves it
         # 5. step (skipped by the scaler if an fp16 gradient is inf/nan), then update the scale.
-        #    The fused AdamW reads the scaler's inf check on the device: no .item() here.
+        #    The book's fused AdamW takes the scaler's inf check on the device: no .item() in scaler.step.
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        skipped = scale_before is not None and self.scaler.get_scale() < scale_before  # fp16's one sync
+        skipped = scale_before is not None and self.scaler.get_scale() < scale_before  # fp16: waits for the step
         # 6. schedule: the next step's learning rate; a skipped step does not advance it.
         if not skipped:
             self.scheduler.step()
