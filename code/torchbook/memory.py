@@ -381,12 +381,13 @@ def matmul_flops_per_second(size: int, device: torch.device, dtype: torch.dtype 
 
 
 def throughput_metrics(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor,
-                       targets: torch.Tensor, precision: str, steps: int, matmul_size: int) -> dict[str, float]:
-    """Tokens per second of ``training_step`` (best of ``steps``), FLOPs per token, the matmul peak and MFU.
+                       targets: torch.Tensor, precision: str, steps: int, peak_flops_per_second: float
+                       ) -> dict[str, float]:
+    """Tokens per second of ``training_step`` (best of ``steps``), FLOPs per token, and MFU against the given peak.
 
     MFU, model FLOPs utilisation (Chowdhery et al. 2022, PaLM), is the FLOP rate
-    the model's formula implies at the measured speed, divided by the best rate
-    of one large matmul in the same dtype on the same device: a peak this
+    the model's formula implies at the measured speed, divided by a peak: here
+    the rate ``matmul_flops_per_second`` measures on the same device, one this
     machine reaches, rather than a datasheet's.
     """
     training_step(model, optimizer, idx, targets, precision)  # warm-up: AdamW's states, the allocator's blocks
@@ -399,10 +400,10 @@ def throughput_metrics(model: nn.Module, optimizer: torch.optim.Optimizer, idx: 
         best = min(best, time.perf_counter() - started)
     tokens_per_second = idx.numel() / best
     per_token = flops_per_token(model.config, idx.size(1))
-    peak = matmul_flops_per_second(matmul_size, idx.device, AUTOCAST_DTYPES[precision])
     return {"step_s": best, "tokens_per_second": tokens_per_second, "flops_per_token": float(per_token),
-            "model_flops_per_second": per_token * tokens_per_second, "matmul_flops_per_second": peak,
-            "mfu": per_token * tokens_per_second / peak}
+            "model_flops_per_second": per_token * tokens_per_second,
+            "matmul_flops_per_second": peak_flops_per_second,
+            "mfu": per_token * tokens_per_second / peak_flops_per_second}
 
 
 # Will the book's GPU runs fit? Predicted from the gpu sizes, so no GPU is needed to ask.
