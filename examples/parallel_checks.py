@@ -15,7 +15,8 @@ Rank 0 writes, into ``--out``:
 - ``dcp/``: the FSDP2 model and optimizer as a sharded ``torch.distributed.checkpoint``
   (every rank writes its own shards);
 - ``results.json``: DDP's losses and gradient norms, FSDP2's losses, DTensor
-  placements and shapes, bytes per rank.
+  placements and shapes, bytes per rank, and the collectives of each run's
+  last step, counted by ``CommDebugMode``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torchbook.distributed import (DistributedContext, cleanup_distributed, init_distributed, is_rank_zero,
@@ -55,14 +57,24 @@ def my_micro_batches(data: dict, step: int, context: DistributedContext) -> list
             for k in range(data["x"].size(1))]
 
 
-def train_ddp(data: dict, context: DistributedContext) -> tuple[GPT, list[float], list[float]]:
+def train_steps(trainer: Trainer, data: dict, context: DistributedContext) -> tuple[list, dict[str, int]]:
+    """Every step's result, and the collectives of the last step by name (``all_gather_into_tensor``: 2)."""
+    steps = data["x"].size(0)
+    results = [trainer.train_step(my_micro_batches(data, step, context)) for step in range(steps - 1)]
+    with CommDebugMode() as collectives:  # counts the collectives this process starts
+        results.append(trainer.train_step(my_micro_batches(data, steps - 1, context)))
+    counts = {str(op).split(".")[-1].rstrip("_"): n for op, n in collectives.get_comm_counts().items()}
+    return results, counts
+
+
+def train_ddp(data: dict, context: DistributedContext) -> tuple[GPT, list[float], list[float], dict[str, int]]:
     torch.manual_seed(data["seed"])
     model = GPT(GPTConfig(**data["model"])).to(context.device)
     ddp_model = DDP(model, device_ids=[context.device.index] if context.device.type == "cuda" else None)
     trainer = Trainer(ddp_model, TrainConfig(**data["train"]), context.device)
-    results = [trainer.train_step(my_micro_batches(data, step, context)) for step in range(data["x"].size(0))]
+    results, collectives = train_steps(trainer, data, context)
     # The gradient norm before clipping: the gradient itself, which AdamW's update would hide.
-    return model, [r.loss.item() for r in results], [r.grad_norm.item() for r in results]
+    return model, [r.loss.item() for r in results], [r.grad_norm.item() for r in results], collectives
 
 
 def train_fsdp(data: dict, context: DistributedContext, bf16: bool) -> tuple[GPT, Trainer, list[float], dict]:
@@ -71,17 +83,16 @@ def train_fsdp(data: dict, context: DistributedContext, bf16: bool) -> tuple[GPT
     # bf16 parameters for the forward and backward, gradients reduced (averaged) in fp32.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     kwargs = {"mp_policy": policy} if policy is not None else {}
-    for block in model.blocks:  # one all-gather per block: only one block's full weights exist at a time
+    for block in model.blocks:  # each block's weights are gathered just before it runs, freed after
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)  # the rest: embedding (tied to the head) and the final LayerNorm
     trainer = Trainer(model, TrainConfig(**data["train"]), context.device)
     name, parameter = next(iter(model.named_parameters()))
     layout = {"name": name, "type": type(parameter).__name__, "placements": str(parameter.placements),
               "global_shape": list(parameter.shape), "local_shape": list(parameter.to_local().shape)}
-    losses = [trainer.train_step(my_micro_batches(data, step, context)).loss.item()
-              for step in range(data["x"].size(0))]
+    results, layout["collectives"] = train_steps(trainer, data, context)
     layout["bytes"] = local_bytes(model, trainer.optimizer)
-    return model, trainer, losses, layout
+    return model, trainer, [r.loss.item() for r in results], layout
 
 
 def main() -> None:
@@ -89,6 +100,7 @@ def main() -> None:
     context = init_distributed(args.device)
     try:
         run(args, context)
+        torch.distributed.barrier()  # no rank tears down its process group while another still works
     finally:
         cleanup_distributed()
 
@@ -96,7 +108,7 @@ def main() -> None:
 def run(args: argparse.Namespace, context: DistributedContext) -> None:
     started = time.perf_counter()
     data = torch.load(args.batches, weights_only=True)
-    ddp_model, ddp_losses, ddp_grad_norms = train_ddp(data, context)
+    ddp_model, ddp_losses, ddp_grad_norms, ddp_collectives = train_ddp(data, context)
     fsdp_model, trainer, fsdp_losses, layout = train_fsdp(data, context, args.bf16)
 
     # A sharded checkpoint: every rank writes its own shards, and a metadata file says where each piece is.
@@ -112,7 +124,7 @@ def run(args: argparse.Namespace, context: DistributedContext) -> None:
     atomic_write(args.out / "ddp_weights.pt", lambda path: torch.save(ddp_model.state_dict(), path))
     atomic_write(args.out / "fsdp_full.pt", lambda path: torch.save(full, path))
     result = {"world_size": context.world_size, "backend": context.backend, "ddp_losses": ddp_losses,
-              "ddp_grad_norms": ddp_grad_norms,
+              "ddp_grad_norms": ddp_grad_norms, "ddp_collectives": ddp_collectives,
               "fsdp_losses": fsdp_losses, "fsdp_parameter": layout, "bytes_per_rank": bytes_per_rank,
               "bf16": args.bf16, "seconds": time.perf_counter() - started}
     atomic_write_text(args.out / "results.json", json.dumps(result, indent=1) + "\n")

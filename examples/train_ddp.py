@@ -9,8 +9,9 @@ wraps the model in DDP and trains with the book's ``Trainer``, which skips the
 gradient all-reduce on all but the last micro-batch (``no_sync``), normalises
 by the global target-token count and logs the loss averaged over the ranks.
 A communication hook counts DDP's all-reduces. Rank 0 alone prints, writes the
-log and writes the checkpoint. The process group is destroyed on the way out,
-on errors too.
+log and writes the checkpoint. Every rank waits at a barrier until rank 0 has
+written them, so the ranks leave together; the process group is destroyed on
+the way out, on errors too.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> None:
     context = init_distributed(args.device or profile.device.type)
     try:
         train(args, sizes, context)
+        torch.distributed.barrier()  # no rank tears down its process group while another still works
     finally:
         cleanup_distributed()  # on errors too: the other ranks are not left waiting at a collective
 
@@ -82,6 +84,7 @@ def train(args: argparse.Namespace, sizes: DeviceSizes, context: DistributedCont
         calls_before = counter.calls
         trainer.train_step(list(itertools.islice(batches, config.accum_steps)))  # no_sync inside
         allreduces_per_step.append(counter.calls - calls_before)
+    last_step_buckets = counter.bucket_bytes[-allreduces_per_step[-1]:]  # bytes of each bucket
     history = trainer.history  # a row every log_every steps, the loss averaged over all ranks' tokens
 
     # The same accumulation by hand without no_sync: DDP all-reduces after every micro-batch.
@@ -113,6 +116,7 @@ def train(args: argparse.Namespace, sizes: DeviceSizes, context: DistributedCont
         "world_size": context.world_size, "backend": context.backend, "steps": trainer.step,
         "accum_steps": sizes.accum_steps, "history": history,
         "allreduces_per_step_with_no_sync": allreduces_per_step,
+        "bucket_cap_mb": BUCKET_CAP_MB, "bucket_bytes_last_step": last_step_buckets,
         "allreduces_per_step_without_no_sync": unsynced_per_step,
         "val_loss_mean_over_ranks": val_loss, "val_loss_rank0": local_loss.item(),
         "seconds": time.perf_counter() - started,

@@ -2,10 +2,11 @@
 
 The two-rank job (``examples/parallel_checks.py``) runs once per module: DDP,
 then FSDP2, on the same global batches, then a DCP checkpoint. Every launch
-goes through ``torchbook.distributed.launch``, which kills the job's whole
-process group on a timeout or a failure, so a failing test leaves no workers.
+goes through ``examples/launching.py``, which kills every process of the job
+on a timeout or a failure, so a failing test leaves no workers.
 """
 
+import itertools
 import json
 import os
 import sys
@@ -18,12 +19,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchbook.data import StreamConfig, TokenStream, write_shards
-from torchbook.distributed import (LaunchError, backend_for, launch, launch_torchrun, local_bytes, mean_over_ranks,
-                                   rank_slice, torchrun_command)
+from torchbook.cache import shakespeare_path
+from torchbook.data import read_shards
+from torchbook.distributed import backend_for, local_bytes, mean_over_ranks, rank_slice
 from torchbook.models import GPT, GPTConfig
+from torchbook.profiles import active_profile
 from torchbook.train import IGNORE_INDEX, TrainConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from launching import (LaunchError, free_port, launch, launch_together, torchrun_command,  # noqa: E402
+                       torchrun_node_command)
+
 STEPS, ACCUM, ROWS, BLOCK = 4, 2, 8, 16
 MODEL = dict(vocab_size=64, block_size=BLOCK, n_layer=2, n_head=2, d_model=32)
 LR = 3e-3
@@ -58,9 +65,8 @@ def two_rank_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("parallel")
     data = global_batches()
     torch.save(data, folder / "batches.pt")
-    # attempts=2: a gloo rank on shared cores can abort before writing anything (a rerun starts afresh).
-    launch_torchrun(ROOT / "examples" / "parallel_checks.py", ["--batches", folder / "batches.pt", "--out", folder],
-                    attempts=2, timeout_s=JOB_TIMEOUT_S, cwd=ROOT)
+    launch(torchrun_command(ROOT / "examples" / "parallel_checks.py",
+                            ["--batches", folder / "batches.pt", "--out", folder]), timeout_s=JOB_TIMEOUT_S, cwd=ROOT)
     return folder, data
 
 
@@ -207,22 +213,54 @@ def test_a_failing_rank_ends_the_whole_job_with_its_error(tmp_path):
     assert not leftover, f"workers {leftover} outlived the failed job"
 
 
-def test_launch_torchrun_reruns_a_failed_job_and_says_so(tmp_path):
-    script = tmp_path / "fails_once.py"
-    marker = tmp_path / "ran"
-    script.write_text(
-        "import os, pathlib, sys\n"
-        f"marker = pathlib.Path({str(marker)!r})\n"
-        "if os.environ['RANK'] == '0' and not marker.exists():\n"
-        "    marker.write_text('once')\n"
-        "    sys.exit(3)\n"
-        "print('rank', os.environ['RANK'], 'done', flush=True)\n")
-    output = launch_torchrun(script, nproc=1, attempts=2, timeout_s=120)
-    assert output.startswith("attempt 1 of 2 failed, rerunning") and "rank 0 done" in output
+def test_a_job_whose_workers_hang_ends_at_its_timeout_with_no_process_left(tmp_path):
+    # torchrun starts each worker in a session of its own: killing torchrun's group would miss them.
+    script = tmp_path / "hangs.py"
+    script.write_text("import os, time\nprint('worker', os.getpid(), flush=True)\ntime.sleep(600)\n")
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match="ran past 15 s") as failure:
+        launch(torchrun_command(script, nproc=2), timeout_s=15)
+    waited = time.monotonic() - started
+    workers = [int(word) for line in str(failure.value).splitlines() if line.startswith("worker")
+               for word in line.split()[1:]]
+    assert len(workers) == 2, f"expected both workers to have started:\n{failure.value}"
+    assert waited < 15 + 10, f"launch returned {waited:.0f} s after a 15 s timeout"  # ps and the kills take ~1 s
+    assert not [pid for pid in workers if _alive(pid)], "a worker outlived its timed-out job"
+    assert not [cmdline.parent.name for cmdline in Path("/proc").glob("[0-9]*/cmdline")
+                if _reads(cmdline, str(script))], "a process of the job is still running"
 
 
-def test_launch_torchrun_with_one_attempt_raises_the_first_failure(tmp_path):
-    script = tmp_path / "fails.py"
-    script.write_text("import sys\nsys.exit(3)\n")
-    with pytest.raises(LaunchError, match="exited with code"):
-        launch_torchrun(script, nproc=1, attempts=1, timeout_s=120)
+def _single_process_ddp_reference(shards: list[Path]) -> dict[str, torch.Tensor]:
+    """train_ddp.py's run in one process: each micro-batch is both ranks' batches side by side."""
+    sizes, seed = active_profile().devices, active_profile().seed
+    streams = [iter(TokenStream(shards, StreamConfig(block_size=sizes.block_size, batch_size=sizes.micro_batch_size,
+                                                     seed=1, rank=rank, world_size=2, epochs=None)))
+               for rank in range(2)]
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=sizes.vocab_size, block_size=sizes.block_size, n_layer=sizes.n_layer,
+                          n_head=sizes.n_head, d_model=sizes.d_model))
+    config = TrainConfig(max_steps=sizes.ddp_steps, lr=sizes.lr, min_lr=sizes.lr / 10, warmup_steps=2,
+                         accum_steps=sizes.accum_steps, log_every=sizes.ddp_steps // 3, eval_every=sizes.ddp_steps)
+    trainer = Trainer(model, config, "cpu")
+    for _ in range(sizes.ddp_steps):
+        micro_batches = [tuple(torch.cat(parts) for parts in zip(*(next(stream) for stream in streams)))
+                         for _ in range(sizes.accum_steps)]
+        trainer.train_step(micro_batches)
+    return model.state_dict()
+
+
+@pytest.mark.slow
+def test_train_ddp_as_two_nodes_matches_one_process(tmp_path):
+    # Two torchrun commands, one per "node", meet at a c10d rendezvous: no --standalone.
+    text = np.frombuffer(shakespeare_path().read_bytes(), dtype=np.uint8)
+    shards = write_shards(text, tmp_path / "shards", 256, "bytes", tokens_per_shard=len(text) // 2 + 1)
+    port = free_port()
+    arguments = ["--shards", tmp_path / "shards", "--out", tmp_path / "out", "--device", "cpu"]
+    launch_together([torchrun_node_command(ROOT / "examples" / "train_ddp.py", arguments, node_rank, 2, port)
+                     for node_rank in (0, 1)], timeout_s=JOB_TIMEOUT_S, cwd=ROOT)
+    ddp = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["model"]
+    reference = _single_process_ddp_reference(read_shards(tmp_path / "shards"))
+    sizes = active_profile().devices
+    worst = max((ddp[name] - reference[name]).abs().max().item() for name in reference)
+    # The chapter's tolerance: 1% of lr x steps, the farthest a weight can move (see the first test).
+    assert worst <= 0.01 * sizes.lr * sizes.ddp_steps, f"two nodes and one process differ by {worst:.3g}"

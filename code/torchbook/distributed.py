@@ -11,8 +11,6 @@
 - ``is_rank_zero``: only one process writes logs and checkpoints.
 - ``local_bytes``: the bytes this rank holds for parameters and optimizer state
   (the local shards under FSDP2).
-- ``free_port`` and ``launch``: start a ``torchrun`` job (or any command) as a
-  subprocess that always ends, its whole process group killed on timeout or error.
 
 The gradient arithmetic itself (global token count, loss times world size,
 ``no_sync`` on all but the last micro-batch) lives in ``torchbook.train``.
@@ -20,20 +18,11 @@ The gradient arithmetic itself (global token count, loss times world size,
 
 # No "from __future__ import annotations": DDP checks the comm hook's annotations at runtime
 # and refuses them as strings.
-import os
-import signal
-import socket
-import subprocess
-import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-
-LAUNCH_TIMEOUT_S = 300.0  # a tiny job takes seconds; a hung collective must not hang the caller
 
 
 @dataclass(frozen=True)
@@ -100,17 +89,20 @@ def rank_slice(batch: Tensor, rank: int, world_size: int) -> Tensor:
 
 
 class AllReduceCounter:
-    """How many gradient all-reduces DDP has started (see ``count_allreduces``)."""
+    """How many gradient all-reduces DDP has started, and each one's bucket size (see ``count_allreduces``)."""
 
     def __init__(self) -> None:
         self.calls = 0
+        self.bucket_bytes: list[int] = []  # one entry per all-reduce, in order
 
 
 def counting_allreduce_hook(state: AllReduceCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A DDP communication hook: count the call in ``state``, then do DDP's usual all-reduce (an average)."""
+    """A DDP communication hook: record the call and its bucket's bytes in ``state``, then do DDP's
+    usual all-reduce (an average)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     state.calls += 1
+    state.bucket_bytes.append(bucket.buffer().numel() * bucket.buffer().element_size())
     return allreduce_hook(None, bucket)  # None: the default (world) process group
 
 
@@ -151,90 +143,3 @@ def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                 if isinstance(value, Tensor):
                     state += _local(value).numel() * _local(value).element_size()
     return {"parameters": parameters, "optimizer_state": state}
-
-
-# ---------------------------------------------------------------------------
-# Launching a job from a notebook or a test: it always ends.
-# ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port no one listens on now (the OS picks it when we bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def torchrun_command(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
-                     python: str = sys.executable) -> list[str]:
-    """``python -m torch.distributed.run`` on one machine, with a free rendezvous port.
-
-    An explicit free port rather than ``--master_port=0``: each rank would
-    resolve port 0 on its own, and the ranks never meet.
-    """
-    if nproc < 1:
-        raise ValueError(f"torchrun_command: nproc must be >= 1, got {nproc}")
-    return [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *map(str, args)]
-
-
-class LaunchError(RuntimeError):
-    """A launched job failed or ran past its timeout; the message holds its output."""
-
-
-def launch(command: Sequence[str], timeout_s: float = LAUNCH_TIMEOUT_S, cwd: str | Path | None = None,
-           env: dict[str, str] | None = None) -> str:
-    """Run ``command`` in its own process group; return its output, or raise ``LaunchError``.
-
-    On a timeout, an error in the caller (Ctrl-C included) or a non-zero exit,
-    the whole group is killed: ``torchrun`` and every worker it started, so no
-    orphan keeps running or holds a port.
-    """
-    process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               cwd=cwd, env=env, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(process)
-        output, _ = process.communicate()
-        raise LaunchError(f"{' '.join(command)} ran past {timeout_s:.0f} s and was killed; output:\n{output}")
-    except BaseException:
-        _kill_group(process)
-        process.communicate()
-        raise
-    finally:
-        _kill_group(process)  # workers that outlived a finished torchrun, if any
-    if process.returncode != 0:
-        raise LaunchError(f"{' '.join(command)} exited with code {process.returncode}; output:\n{output}")
-    return output
-
-
-def launch_torchrun(script: str | Path, args: Sequence[str] = (), nproc: int = 2, attempts: int = 1,
-                    timeout_s: float = LAUNCH_TIMEOUT_S, cwd: str | Path | None = None) -> str:
-    """Launch ``script`` on ``nproc`` local ranks; rerun it, on a fresh port, up to ``attempts`` times in all.
-
-    Rarely, a gloo job on CPU cores that other work shares loses a rank to an
-    abort (SIGABRT) before any result is written. A rerun starts from scratch,
-    so it cannot mix two attempts' results; the output returned starts with one
-    line per failed attempt, so a retry is never silent. A timeout is not retried.
-    """
-    if attempts < 1:
-        raise ValueError(f"launch_torchrun: attempts must be >= 1, got {attempts}")
-    failures = []
-    for attempt in range(1, attempts + 1):
-        try:
-            output = launch(torchrun_command(script, args, nproc=nproc), timeout_s=timeout_s, cwd=cwd)
-            return "".join(failures) + output
-        except LaunchError as error:
-            if attempt == attempts or "ran past" in str(error):
-                raise
-            last_lines = "\n    ".join(str(error).splitlines()[-12:])
-            failures.append(f"attempt {attempt} of {attempts} failed, rerunning; its last lines:\n    {last_lines}\n")
-    raise AssertionError("unreachable")
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # the session started with the process: its id is the pid
-    except ProcessLookupError:
-        pass

@@ -387,3 +387,41 @@ def plot_memory_by_kind(
     ax.legend(fontsize=8, frameon=False, loc="upper left")
     ax.spines[["top", "right"]].set_visible(False)
     return ax
+
+
+# One training step under DDP or FSDP2 (chapter 6): what a rank computes, and what it sends meanwhile.
+STEP_COLOURS = {"forward": "#c6dbef", "backward": "#6baed6", "all-reduce": "#fd8d3c",
+                "all-gather": "#74c476", "reduce-scatter": "#9e9ac8", "full weights held": "#fee391"}
+
+
+def plot_step_timeline(lanes: Mapping[str, Sequence[tuple[float, float, str, str]]], xlabel: str,
+                       title: str | None = None) -> Figure:
+    """Draw one training step as rows of boxes; returns the figure.
+
+    ``lanes`` maps a row's name (top to bottom) to its boxes, each ``(start,
+    length, label, kind)``; ``kind`` is a key of ``STEP_COLOURS`` and names the
+    box in the legend. The caller decides the x scale and says it in ``xlabel``.
+    """
+    fig, ax = plt.subplots(figsize=(9, 1.3 + 0.5 * len(lanes)))
+    names = list(lanes)
+    kinds_drawn: dict[str, None] = {}
+    for row, name in enumerate(names):
+        y = len(names) - 1 - row
+        for start, length, label, kind in lanes[name]:
+            ax.barh(y, length, left=start, height=0.6, color=STEP_COLOURS[kind], edgecolor="black", linewidth=0.5)
+            ax.text(start + length / 2, y, label, ha="center", va="center", fontsize=7,
+                    rotation=90 if length < 0.03 * _lane_span(lanes) else 0)
+            kinds_drawn[kind] = None
+    ax.set_yticks(range(len(names)), list(reversed(names)))
+    ax.set_xlabel(xlabel)
+    ax.set_xlim(0, _lane_span(lanes) * 1.01)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=STEP_COLOURS[kind]) for kind in kinds_drawn]
+    fig.legend(handles, list(kinds_drawn), loc="lower center", ncol=len(kinds_drawn), fontsize=8, frameon=False)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout(rect=(0, 0.1 + 0.1 / len(lanes), 1, 1))  # room for the legend below the axis label
+    return fig
+
+
+def _lane_span(lanes: Mapping[str, Sequence[tuple[float, float, str, str]]]) -> float:
+    return max(start + length for boxes in lanes.values() for start, length, _, _ in boxes)

@@ -173,7 +173,7 @@ class DeviceSizes:
     """Chapter 6: devices, DDP and FSDP2 on two processes, torch.compile, single-device tools.
 
     The distributed runs prove equalities, not speed, so both profiles use a
-    tiny GPT for them; the compile and MFU measurements grow on the gpu profile.
+    tiny GPT for them; the compile and matmul measurements grow on the gpu profile.
     """
 
     # The GPT of the DDP / FSDP2 runs (byte-level, so the vocabulary is 256).
@@ -189,17 +189,14 @@ class DeviceSizes:
     check_steps: int = 4  # AdamW steps compared between DDP, one process and FSDP2
     lr: float = 3e-3
     launch_timeout_s: float = 240.0  # a torchrun job that takes longer is killed
+    minimal_text_bytes: int = 300_000  # the start of Tiny Shakespeare that examples/ddp_minimal.py trains on
     # torch.compile: a small GPT, timed step by step, eager against compiled.
     compile_n_layer: int = size(cpu=1, gpu=6)
     compile_d_model: int = size(cpu=64, gpu=384)
     compile_block_size: int = size(cpu=64, gpu=256)
     compile_batch_size: int = size(cpu=8, gpu=32)
     timed_steps: int = size(cpu=20, gpu=50)
-    # Activation checkpointing, profiler and MFU.
-    checkpoint_layers: int = size(cpu=4, gpu=8)
-    checkpoint_width: int = size(cpu=256, gpu=2048)
-    checkpoint_batch: int = size(cpu=64, gpu=512)
-    matmul_size: int = size(cpu=512, gpu=8192)  # square matmul whose measured rate is the reference for MFU
+    matmul_size: int = size(cpu=512, gpu=8192)  # the square matmul of the TF32 comparison
 
 
 @dataclass(frozen=True)
