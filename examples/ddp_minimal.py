@@ -37,9 +37,10 @@ def main(text_file: str, out_file: str) -> None:
             optimizer.zero_grad()
             (loss * dist.get_world_size()).backward()  # DDP averages gradients; times world size = sum
             optimizer.step()
-        dist.all_reduce(loss)  # the last batch's global mean loss, the sum of the ranks' shares
+        last_loss = loss.detach()
+        dist.all_reduce(last_loss)  # the last batch's global mean loss: the sum of the ranks' shares
         if dist.get_rank() == 0:
-            print(f"epoch {epoch}: loss {loss.item():.3f} on {dist.get_world_size()} ranks", flush=True)
+            print(f"epoch {epoch}: loss {last_loss.item():.3f} on {dist.get_world_size()} ranks", flush=True)
     if dist.get_rank() == 0:
         torch.save(model.module.state_dict(), out_file)
     dist.barrier()  # rank 0 has written the weights: every rank can leave
