@@ -1,19 +1,24 @@
-"""Write the lab's exercise notebook, ``pytorch_drills.ipynb``, from chapter 7 itself.
+"""Write the lab's exercise notebook, ``pytorch_drills.ipynb``, from its own source, ``exercises/pytorch_drills.md``.
 
-The notebook is the chapter's reader notebook (``tools/qmd_notebook.py``) with
-each drill's solution cell (a code cell labelled ``solution-drill-N``)
-replaced by a ``# TODO`` cell. The TODO cell keeps the solution's leading
-comment lines, which say what the drill asks and which names the check cell
-after it (``check-drill-N``, calling ``torchbook.drills.check_drill_N``) needs.
-Being generated from the chapter, the exercises never drift from the solved
-drills; filled in with the solutions, the notebook is the chapter again.
+The source is plain Markdown: each fenced ````python`` block becomes a code
+cell, the text between blocks a Markdown cell. The notebook opens with the
+same setup cells as every chapter's notebook (``tools/qmd_notebook.py``:
+install the book's package, say where the data goes). Each drill is a task,
+what to leave behind, a ``# TODO`` cell and a ``check(N, globals())`` cell.
 
-Usage (the post-render step, from the project root)::
+The source is refused, naming the line, if it holds what a notebook cannot
+show or must not give away: Quarto syntax (inline ``{python}`` values,
+``:::`` divs, ``@sec-`` references, ``{#sec-`` anchors) or an import of
+``torchbook.lab``, where the chapter's shared code lives; and if a drill lacks
+its TODO or its check cell.
 
-    python tools/drills_notebook.py [OUTPUT_DIR]
+Usage, from the project root (Quarto runs it as a pre-render script, so the
+file exists when the chapter's link to it is resolved and Quarto copies it
+beside the page)::
 
-writes ``OUTPUT_DIR/chapters/pytorch_drills.ipynb`` beside ``08-lab.html``
-(``OUTPUT_DIR`` defaults to ``$QUARTO_PROJECT_OUTPUT_DIR`` or ``_book``).
+    python tools/drills_notebook.py [NOTEBOOK]
+
+``NOTEBOOK`` defaults to ``chapters/pytorch_drills.ipynb`` (git-ignored).
 """
 
 from __future__ import annotations
@@ -25,70 +30,92 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qmd_notebook import QmdError, to_notebook  # noqa: E402
+from qmd_notebook import SETUP_CODE, SETUP_MARKDOWN, SETUP_TAG, QmdError  # noqa: E402
 
-LAB_CHAPTER = Path("chapters/08-lab.qmd")
-NOTEBOOK_NAME = "pytorch_drills.ipynb"
-SOLUTION_LABEL = re.compile(r"^solution-drill-(\d+)$")
-CHECK_LABEL = re.compile(r"^check-drill-(\d+)$")
-
-
-def _label(cell: dict) -> str:
-    return str(cell.get("metadata", {}).get("qmd_options", {}).get("label", ""))
-
-
-def todo_source(solution: str) -> str:
-    """The TODO cell for a solution: its leading comment lines (the task), then ``# TODO``."""
-    task = []
-    for line in solution.splitlines():
-        if line.startswith("#|"):
-            continue
-        if not line.startswith("#"):
-            break
-        task.append(line)
-    return "\n".join(task + ["# TODO: your code here"])
+SOURCE = Path("exercises/pytorch_drills.md")
+DEFAULT_TARGET = Path("chapters/pytorch_drills.ipynb")
+DRILLS = range(1, 8)
+CODE_FENCE = re.compile(r"^```python\s*$")
+CHECK_CALL = re.compile(r"^check\((\d+), globals\(\)\)$")
+TODO_CELL = re.compile(r"^# TODO: drill (\d+)$")
+FORBIDDEN = {"{python}": "an inline Quarto value", ":::": "a Quarto div", "@sec-": "a Quarto cross-reference",
+             "{#sec-": "a Quarto section anchor", "torchbook.lab": "an import of the chapter's lab code"}
 
 
-def exercise_notebook(chapter: Path) -> dict:
-    """The exercise notebook for ``chapter``; refuses a chapter whose drills lack a solution or a check."""
-    notebook = to_notebook(chapter)
-    solutions: list[int] = []
-    checks: list[int] = []
-    for cell in notebook["cells"]:
-        solution = SOLUTION_LABEL.match(_label(cell))
-        check = CHECK_LABEL.match(_label(cell))
-        if solution:
-            number = int(solution.group(1))
-            if not todo_source(cell["source"]).startswith("#"):
-                raise QmdError(f"{chapter}:{cell['metadata']['qmd_line']}: solution of drill {number} "
-                               "starts with no comment saying what the drill asks")
-            cell["metadata"]["drill_solution"] = number
-            cell["source"] = todo_source(cell["source"])
-            solutions.append(number)
-        elif check:
-            checks.append(int(check.group(1)))
-    if not solutions or solutions != checks:
-        raise QmdError(f"{chapter}: solution cells for drills {solutions} but check cells for {checks}; "
-                       "every drill needs one of each, in the same order")
-    notebook["metadata"]["title"] = "pytorch_drills: the lab's exercises"
-    return notebook
+def parse_cells(path: Path) -> list[tuple[str, str, int]]:
+    """(kind, source, first line) for each cell of the Markdown source; refuses forbidden text by line."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, text in enumerate(lines, 1):
+        for pattern, what in FORBIDDEN.items():
+            if pattern in text:
+                raise QmdError(f"{path}:{number}: {what} ({pattern!r}) has no place in the exercise notebook")
+    cells: list[tuple[str, str, int]] = []
+    block: list[str] = []
+    start, in_code = 1, False
+    for number, text in enumerate(lines, 1):
+        if CODE_FENCE.match(text) and not in_code or text.strip() == "```" and in_code:
+            source = "\n".join(block).strip("\n")
+            if source.strip():
+                cells.append(("code" if in_code else "markdown", source, start))
+            block, start, in_code = [], number + 1, not in_code
+        else:
+            block.append(text)
+    if in_code:
+        raise QmdError(f"{path}:{start - 1}: code block is never closed")
+    if "\n".join(block).strip():
+        cells.append(("markdown", "\n".join(block).strip("\n"), start))
+    return cells
 
 
-def write_exercise_notebook(project: Path, output: Path) -> Path:
-    """Write ``<output>/chapters/pytorch_drills.ipynb`` for the lab chapter of ``project``."""
-    target = output / "chapters" / NOTEBOOK_NAME
+def check_drills(cells: list[tuple[str, str, int]], path: Path) -> None:
+    """Every drill, in order, is a ``# TODO: drill N`` cell followed by its ``check(N, globals())`` cell."""
+    code = [(source.strip(), line) for kind, source, line in cells if kind == "code"]
+    found = []
+    for (source, line), (following, _) in zip(code, code[1:] + [("", 0)]):
+        todo = TODO_CELL.match(source)
+        if todo:
+            checked = CHECK_CALL.match(following)
+            if not checked or checked.group(1) != todo.group(1):
+                raise QmdError(f"{path}:{line}: the TODO of drill {todo.group(1)} is not followed by "
+                               f"check({todo.group(1)}, globals())")
+            found.append(int(todo.group(1)))
+    if found != list(DRILLS):
+        raise QmdError(f"{path}: TODO cells for drills {found}; expected {list(DRILLS)}, in order")
+
+
+def exercise_notebook(source: Path) -> dict:
+    """The exercise notebook (nbformat 4, as a dict) built from ``source``."""
+    cells = parse_cells(source)
+    check_drills(cells, source)
+    setup = {"tags": [SETUP_TAG]}
+    notebook_cells = [{"cell_type": "markdown", "metadata": dict(setup), "source": SETUP_MARKDOWN},
+                      {"cell_type": "code", "metadata": dict(setup), "source": SETUP_CODE, "outputs": [],
+                       "execution_count": None}]
+    for kind, text, line in cells:
+        cell = {"cell_type": kind, "metadata": {"source_line": line}, "source": text}
+        if kind == "code":
+            cell |= {"outputs": [], "execution_count": None}
+        notebook_cells.append(cell)
+    return {
+        "nbformat": 4,
+        "nbformat_minor": 5,
+        "metadata": {"title": "pytorch_drills: the lab's exercises",
+                     "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+                     "language_info": {"name": "python"}},
+        "cells": [{"id": f"cell-{i}", **cell} for i, cell in enumerate(notebook_cells)],
+    }
+
+
+def write_exercise_notebook(project: Path, target: Path) -> Path:
+    """Write the notebook built from ``project``'s exercise source to ``target``."""
+    notebook = exercise_notebook(project / SOURCE)
     target.parent.mkdir(parents=True, exist_ok=True)
-    notebook = exercise_notebook(project / LAB_CHAPTER)
     target.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return target
 
 
 if __name__ == "__main__":
     project_root = Path(os.environ.get("QUARTO_PROJECT_DIR", ".")).resolve()
-    default_output = os.environ.get("QUARTO_PROJECT_OUTPUT_DIR", "_book")
-    output_dir = Path(sys.argv[1] if len(sys.argv) > 1 else default_output)
-    if not output_dir.is_absolute():
-        output_dir = project_root / output_dir
-    written = write_exercise_notebook(project_root, output_dir)
-    print(f"notebook: {written.relative_to(project_root) if written.is_relative_to(project_root) else written}",
-          file=sys.stderr)
+    target_path = Path(sys.argv[1]) if len(sys.argv) > 1 else project_root / DEFAULT_TARGET
+    written = write_exercise_notebook(project_root, target_path)
+    print(f"exercise notebook: {written}", file=sys.stderr)
