@@ -1,6 +1,6 @@
-"""How much slower is drill 1's training, as the lab runs it, than a bare loop?
+"""How much slower is the lab's training, as ``make gpu-results`` runs it, than a bare loop?
 
-Both train the lab's MLP from the same seeded weights, over the same resident
+The lab's loop is ``train_epoch`` in ``examples/gpu_results.py``. Both train the lab's MLP from the same seeded weights, over the same resident
 MNIST tensors in the same seeded order, for the same number of steps (one
 epoch), with the same AdamW and cosine schedule, and both then compute the
 test accuracy once. Runs alternate in one process (lab, bare, bare, lab, ...)
@@ -24,32 +24,43 @@ import dataclasses
 import statistics
 import time
 
+import importlib.util
+import math
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
 from torchbook import lab
 from torchbook.mnist import resident_batches
-from torchbook.profiles import make_profile
+from torchbook.profiles import make_profile, synchronize
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpu_results.py"
+_spec = importlib.util.spec_from_file_location("gpu_results", SCRIPT)
+gpu_results = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_results)
+
+
+def steps_per_epoch(data: lab.MnistTensors, batch_size: int) -> int:
+    return math.ceil(len(data.train_labels) / batch_size)
 
 
 def run_lab(data: lab.MnistTensors, profile) -> tuple[float, float, float]:
-    """Drill 1's training for one epoch, through ``lab.train_run``: (wall s, CPU s, accuracy)."""
+    """One epoch of the lab's training, through ``gpu_results.lab_run``: (wall s, CPU s, accuracy)."""
     sizes = dataclasses.replace(profile.lab, epochs=1)
-    model = lab.fresh_model(sizes, profile.seed, profile.device)
-    optimizer, scheduler = lab.make_optimizer("adamw", model, sizes, lab.steps_per_epoch(data, sizes.batch_size))
-    lab.synchronize(profile.device)
+    synchronize(profile.device)
     started, cpu_started = time.perf_counter(), time.process_time()
-    history = lab.train_run(model, optimizer, scheduler, data, sizes, profile.seed)
-    lab.synchronize(profile.device)
+    _, history = gpu_results.lab_run(data, sizes, profile)
+    synchronize(profile.device)
     return time.perf_counter() - started, time.process_time() - cpu_started, history["epoch_accuracy"][-1]
 
 
 def run_bare(data: lab.MnistTensors, profile) -> tuple[float, float, float]:
     """The same epoch as a bare loop: forward, mean loss, backward, step, schedule, zero."""
     sizes = profile.lab
-    model = lab.fresh_model(sizes, profile.seed, profile.device)
-    optimizer, scheduler = lab.make_optimizer("adamw", model, sizes, lab.steps_per_epoch(data, sizes.batch_size))
-    lab.synchronize(profile.device)
+    model = lab.fresh_model(sizes.hidden, profile.seed, profile.device)
+    optimizer, scheduler = gpu_results.lab_optimizer("adamw", model, sizes, steps_per_epoch(data, sizes.batch_size))
+    synchronize(profile.device)
     started, cpu_started = time.perf_counter(), time.process_time()
     generator = torch.Generator().manual_seed(profile.seed)
     for images, labels in resident_batches(data.train_images, data.train_labels, sizes.batch_size, generator):
@@ -59,7 +70,7 @@ def run_bare(data: lab.MnistTensors, profile) -> tuple[float, float, float]:
         optimizer.zero_grad()
     with torch.no_grad():
         accuracy = (model(data.test_images).argmax(1) == data.test_labels).float().mean().item()
-    lab.synchronize(profile.device)
+    synchronize(profile.device)
     return time.perf_counter() - started, time.process_time() - cpu_started, accuracy
 
 
@@ -81,7 +92,7 @@ def main() -> None:
         print(f"pair {pair + 1}: lab {lab_s:.2f} s ({lab_acc:.2%}), bare {bare_s:.2f} s ({bare_acc:.2%}), "
               f"ratio {ratios[-1]:.3f}; CPU-time ratio {cpu_ratios[-1]:.3f}")
     print(f"device {profile.device}, {torch.get_num_threads()} threads, "
-          f"{lab.steps_per_epoch(data, profile.lab.batch_size)} steps per run")
+          f"{steps_per_epoch(data, profile.lab.batch_size)} steps per run")
     print(f"median CPU-time ratio: {statistics.median(cpu_ratios):.3f}")
     print(f"lab training / bare loop time: {statistics.median(ratios):.3f}")
 

@@ -16,17 +16,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import safetensors.torch
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from torchbook.cache import repository_root, shakespeare_path
 from torchbook.charlm import build, load_corpus, random_blocks, train_char_lm, unigram_baseline
-from torchbook.lab import write_lab_results
-from torchbook.profiles import active_profile
+from torchbook.files import atomic_write
+from torchbook.lab import MnistTensors, evaluate, fresh_model, load_data, test_logits
+from torchbook.mnist import resident_batches
+from torchbook.optim import OptimizerConfig, build_optimizer, build_schedule
+from torchbook.profiles import LabSizes, LanguageModelSizes, Profile, active_profile, synchronize
 from torchbook.results import history_series, make_provenance, write_result
 
 # What each run's numbers depend on: a change to any of these makes its file stale.
@@ -34,14 +42,14 @@ LM_SOURCES = ("code/torchbook/charlm.py", "code/torchbook/models.py", "code/torc
               "code/torchbook/profiles.py", "examples/gpu_results.py")
 
 
-def run_language_model(out: Path, max_steps: int | None) -> Path:
-    """Chapter 3's character-level GPT at the profile's sizes; returns the results file."""
-    profile = active_profile()
-    sizes = profile.lm
-    if max_steps is not None:
-        sizes = dataclasses.replace(sizes, max_steps=max_steps, warmup_steps=min(sizes.warmup_steps, max_steps),
-                                    eval_every=min(sizes.eval_every, max_steps),
-                                    log_every=min(sizes.log_every, max_steps))
+def shorter(sizes: LanguageModelSizes, max_steps: int) -> LanguageModelSizes:
+    """``sizes`` cut to ``max_steps`` optimizer steps, warmup and logging included."""
+    return dataclasses.replace(sizes, max_steps=max_steps, warmup_steps=min(sizes.warmup_steps, max_steps),
+                               eval_every=min(sizes.eval_every, max_steps), log_every=min(sizes.log_every, max_steps))
+
+
+def run_language_model(out: Path, profile: Profile, sizes: LanguageModelSizes) -> Path:
+    """Chapter 3's character-level GPT at ``sizes``; returns the results file."""
     corpus = load_corpus(shakespeare_path())
     started = time.perf_counter()
     run = train_char_lm(corpus, sizes, profile.device, profile.autocast_dtype, profile.seed)
@@ -73,18 +81,12 @@ COMPILE_WARMUP_STEPS = 3  # after the first step: the allocator and caches settl
 COMPILE_TIMED_STEPS = 30  # steady steps timed per model, eager and compiled taking turns
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def run_compile(out: Path) -> Path:
-    """Chapter 3's GPT at the profile's sizes, eager against ``torch.compile``: first step and steady step."""
-    profile = active_profile()
+def run_compile(out: Path, profile: Profile, sizes: LanguageModelSizes) -> Path:
+    """Chapter 3's GPT at ``sizes``, eager against ``torch.compile``: first step and steady step."""
     corpus = load_corpus(shakespeare_path())
-    batch = [next(random_blocks(corpus.train_tokens, profile.lm.block_size, profile.lm.batch_size,
+    batch = [next(random_blocks(corpus.train_tokens, sizes.block_size, sizes.batch_size,
                                 torch.Generator().manual_seed(profile.seed)))]
-    trainers = {name: build(corpus, profile.lm, profile.device, profile.autocast_dtype, profile.seed)
+    trainers = {name: build(corpus, sizes, profile.device, profile.autocast_dtype, profile.seed)
                 for name in ("eager", "compiled")}
     trainers["compiled"].model = torch.compile(trainers["compiled"].model)
 
@@ -109,7 +111,7 @@ def run_compile(out: Path) -> Path:
         "eager_first_step_s": first["eager"], "compiled_first_step_s": first["compiled"],
         "eager_step_s": step["eager"], "compiled_step_s": step["compiled"],
         "speedup": step["eager"] / step["compiled"], "compile_s": first["compiled"] - step["compiled"],
-        "tokens_per_step": profile.lm.block_size * profile.lm.batch_size,
+        "tokens_per_step": sizes.block_size * sizes.batch_size,
     }
     history = {name: {"step": [float(i + 1) for i in range(COMPILE_TIMED_STEPS)], "seconds": times}
                for name, times in steps.items()}
@@ -117,6 +119,172 @@ def run_compile(out: Path) -> Path:
     path = write_result(out / f"compile-{profile.name}.json", "compile", profile.name, metrics, history, provenance)
     print(f"compile: {metrics['speedup']:.2f}x steady-state, compilation {metrics['compile_s']:.1f} s -> {path}",
           flush=True)
+    return path
+
+
+# ----- the lab: chapter 8's seven drills at the profile's sizes -----
+
+LAB_SOURCES = ("code/torchbook/lab.py", "code/torchbook/mnist.py", "code/torchbook/optim.py",
+               "code/torchbook/profiles.py", "examples/gpu_results.py")
+
+
+def lab_optimizer(name: str, model: nn.Module, sizes: LabSizes, total_steps: int
+                  ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """The book's AdamW (``"adamw"``) or SGD with momentum 0.9 (``"sgd"``), both on a cosine to ``min_lr``."""
+    lr = sizes.lr if name == "adamw" else sizes.sgd_lr
+    config = OptimizerConfig(max_steps=total_steps, lr=lr, min_lr=sizes.min_lr * lr / sizes.lr, warmup_steps=0,
+                             weight_decay=sizes.weight_decay)
+    if name == "adamw":
+        return build_optimizer(model, config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return optimizer, build_schedule(optimizer, config)
+
+
+def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, images: Tensor, labels: Tensor,
+                batch_size: int, generator: torch.Generator, accum_steps: int = 1,
+                autocast_dtype: torch.dtype | None = None, drop_last: bool = False,
+                max_steps: int | None = None) -> list[Tensor]:
+    """One epoch of optimizer steps, as chapter 8's drills write it; each step's loss stays on the device.
+
+    Each micro-batch's loss is summed over its examples and divided by the
+    whole batch's size, so ``accum_steps`` micro-batches give the gradient of
+    the batch's mean loss.
+    """
+    model.train()
+    losses = []
+    for batch_images, batch_labels in resident_batches(images, labels, batch_size, generator, drop_last):
+        if max_steps is not None and len(losses) == max_steps:
+            break
+        step_loss = torch.zeros((), device=images.device)
+        micro_batches = zip(batch_images.split(batch_size // accum_steps), batch_labels.split(batch_size // accum_steps))
+        for micro_images, micro_labels in micro_batches:
+            with torch.autocast(images.device.type, dtype=autocast_dtype or torch.float32,
+                                enabled=autocast_dtype is not None):
+                logits = model(micro_images)
+            loss = F.cross_entropy(logits.float(), micro_labels, reduction="sum") / len(batch_labels)
+            loss.backward()
+            step_loss += loss.detach()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+    return losses
+
+
+def lab_run(data: MnistTensors, sizes: LabSizes, profile: Profile, optimizer_name: str = "adamw",
+            accum_steps: int = 1, autocast_dtype: torch.dtype | None = None) -> tuple[nn.Module, dict]:
+    """``sizes.epochs`` epochs from the seeded weights in the seeded order; tests after each epoch."""
+    model = fresh_model(sizes.hidden, profile.seed, profile.device)
+    steps_per_epoch = math.ceil(len(data.train_labels) / sizes.batch_size)
+    optimizer, scheduler = lab_optimizer(optimizer_name, model, sizes, sizes.epochs * steps_per_epoch)
+    generator = torch.Generator().manual_seed(profile.seed)
+    history: dict[str, list] = {"step_loss": [], "epoch_accuracy": [], "epoch_test_loss": [], "epoch_seconds": []}
+    for _ in range(sizes.epochs):
+        synchronize(profile.device)
+        started = time.perf_counter()
+        losses = train_epoch(model, optimizer, scheduler, data.train_images, data.train_labels, sizes.batch_size,
+                             generator, accum_steps, autocast_dtype)
+        synchronize(profile.device)
+        history["epoch_seconds"].append(time.perf_counter() - started)
+        history["step_loss"] += torch.stack(losses).tolist()
+        accuracy, loss = evaluate(model, data.test_images, data.test_labels, autocast_dtype)
+        history["epoch_accuracy"].append(accuracy)
+        history["epoch_test_loss"].append(loss)
+    return model, history
+
+
+def compile_timing(data: MnistTensors, sizes: LabSizes, profile: Profile, backend: str = "inductor") -> dict:
+    """Drill 2: the first (compiling) step, then eager and compiled steps timed in alternation over an epoch."""
+    models = {"eager": fresh_model(sizes.hidden, profile.seed, profile.device)}
+    models["compiled"] = torch.compile(fresh_model(sizes.hidden, profile.seed, profile.device), backend=backend)
+    steps = len(data.train_labels) // sizes.batch_size
+    optimizers = {name: lab_optimizer("adamw", model, sizes, steps) for name, model in models.items()}
+    seconds: dict[str, list[float]] = {name: [] for name in models}
+    batches = list(resident_batches(data.train_images, data.train_labels, sizes.batch_size,
+                                    torch.Generator().manual_seed(profile.seed), drop_last=True))
+    for images, labels in batches:
+        for name, model in models.items():  # alternate, so a change in load hits both alike
+            optimizer, scheduler = optimizers[name]
+            synchronize(profile.device)
+            started = time.perf_counter()
+            F.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            synchronize(profile.device)
+            seconds[name].append(time.perf_counter() - started)
+    eager_s, compiled_s = (statistics.median(seconds[name][1:]) for name in ("eager", "compiled"))
+    return {"eager_first_step_s": seconds["eager"][0], "compiled_first_step_s": seconds["compiled"][0],
+            "eager_step_s": eager_s, "compiled_step_s": compiled_s, "speedup": eager_s / compiled_s,
+            "steps": steps}
+
+
+def accumulation_agreement(data: MnistTensors, sizes: LabSizes, profile: Profile) -> dict:
+    """Drill 4's comparison: weights after ``equivalence_steps`` steps of one batch and of accumulated micro-batches."""
+    states = []
+    for accum_steps in (1, sizes.accum_steps):
+        model = fresh_model(sizes.hidden, profile.seed, profile.device)
+        optimizer, scheduler = lab_optimizer("adamw", model, sizes, sizes.equivalence_steps)
+        train_epoch(model, optimizer, scheduler, data.train_images, data.train_labels, sizes.batch_size,
+                    torch.Generator().manual_seed(profile.seed), accum_steps, max_steps=sizes.equivalence_steps)
+        states.append(torch.cat([tensor.flatten() for tensor in model.state_dict().values()]))
+    difference = (states[0] - states[1]).abs()
+    return {"max_weight_difference": difference.max().item(),
+            "fraction_beyond_1e-6": (difference > 1e-6).float().mean().item()}
+
+
+def save_and_reload(model: nn.Module, data: MnistTensors, sizes: LabSizes, folder: Path) -> dict:
+    """Drills 6 and 7: a state dict through ``torch.save`` and through safetensors, compared bit for bit."""
+    before = test_logits(model, data.test_images)
+    pickled = atomic_write(folder / "mlp.pt", lambda temporary: torch.save(model.state_dict(), temporary))
+    reloaded = fresh_model(sizes.hidden, 0, data.test_images.device)
+    reloaded.load_state_dict(torch.load(pickled, map_location=data.test_images.device, weights_only=True))
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    tensors = atomic_write(folder / "mlp.safetensors", lambda temporary: safetensors.torch.save_file(state, temporary))
+    loaded = safetensors.torch.load_file(tensors, device=str(data.test_images.device))
+    return {"torch_save_bytes": pickled.stat().st_size, "safetensors_bytes": tensors.stat().st_size,
+            "reload_bit_identical": torch.equal(before, test_logits(reloaded, data.test_images)),
+            "safetensors_equal": all(torch.equal(loaded[name], state[name]) for name in state)}
+
+
+def results_series(histories: dict[str, dict]) -> dict[str, dict[str, list[float]]]:
+    """Each run's history as two series of a results file: ``<run>.steps`` and ``<run>.epochs``."""
+    series = {}
+    for name, history in histories.items():
+        series[f"{name}.steps"] = {"step": [float(i + 1) for i in range(len(history["step_loss"]))],
+                                   "loss": history["step_loss"]}
+        series[f"{name}.epochs"] = {"epoch": [float(i + 1) for i in range(len(history["epoch_accuracy"]))],
+                                    "accuracy": history["epoch_accuracy"], "test_loss": history["epoch_test_loss"],
+                                    "seconds": history["epoch_seconds"]}
+    return series
+
+
+def run_lab(out: Path, profile: Profile, sizes: LabSizes) -> Path:
+    """The seven drills at ``sizes``; writes ``lab-<profile>.json`` with every number and each run's history."""
+    started = time.perf_counter()
+    data = load_data(profile.device)
+    model, adamw = lab_run(data, sizes, profile)
+    histories = {"adamw": adamw, "sgd": lab_run(data, sizes, profile, "sgd")[1],
+                 "accumulated": lab_run(data, sizes, profile, accum_steps=sizes.accum_steps)[1],
+                 "bf16": lab_run(data, sizes, profile, autocast_dtype=torch.bfloat16)[1]}
+    metrics = {f"drill1.{key}": value for key, value in
+               {"accuracy": adamw["epoch_accuracy"][-1], "train_seconds": sum(adamw["epoch_seconds"])}.items()}
+    metrics |= {f"drill2.{key}": value for key, value in compile_timing(data, sizes, profile).items()}
+    metrics |= {f"drill4.{key}": value for key, value in accumulation_agreement(data, sizes, profile).items()}
+    fp32_loss = evaluate(model, data.test_images, data.test_labels)[1]
+    bf16_loss = evaluate(model, data.test_images, data.test_labels, torch.bfloat16)[1]
+    metrics |= {"drill5.same_weights_fp32_loss": fp32_loss, "drill5.same_weights_bf16_loss": bf16_loss,
+                "drill5.same_weights_relative_difference": abs(bf16_loss - fp32_loss) / fp32_loss}
+    with tempfile.TemporaryDirectory(prefix="lab-") as folder:
+        metrics |= {f"drill6.{key}": float(value)
+                    for key, value in save_and_reload(model, data, sizes, Path(folder)).items()}
+    for name in ("sgd", "accumulated", "bf16"):
+        metrics[f"{name}.accuracy"] = histories[name]["epoch_accuracy"][-1]
+    provenance = make_provenance(profile.device, repository_root(), LAB_SOURCES, time.perf_counter() - started)
+    path = write_result(out / f"lab-{profile.name}.json", "lab", profile.name, metrics, results_series(histories),
+                        provenance)
+    print(f"lab: {metrics['drill1.accuracy']:.2%} after {sizes.epochs} epochs, compile speedup "
+          f"{metrics['drill2.speedup']:.2f}x -> {path}", flush=True)
     return path
 
 
@@ -133,12 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     profile = active_profile()
     print(f"profile {profile.name}: device {profile.device}, torch {torch.__version__}", flush=True)
     chosen = args.only or list(RUNS)
+    lm_sizes = profile.lm if args.max_steps is None else shorter(profile.lm, args.max_steps)
     if "lm" in chosen:
-        run_language_model(args.out, args.max_steps)
+        run_language_model(args.out, profile, lm_sizes)
     if "lab" in chosen:
-        print(f"lab: -> {write_lab_results(profile, args.out)}", flush=True)
+        run_lab(args.out, profile, profile.lab)
     if "compile" in chosen:
-        run_compile(args.out)
+        run_compile(args.out, profile, profile.lm)
     print(f"gpu-results: done in {time.perf_counter() - started:.0f} s", flush=True)
     return 0
 

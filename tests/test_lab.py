@@ -1,17 +1,36 @@
-"""Tests for the lab's building blocks and its script (the drills themselves run in chapter 7)."""
+"""The lab's shared pieces (torchbook.lab) and its full-size script (the lab part of examples/gpu_results.py).
+
+The drills themselves run in chapter 8; ``make gpu-results`` reruns them at
+the gpu profile's sizes through the functions tested here.
+"""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import importlib.util
+from pathlib import Path
 
 import pytest
-import safetensors.torch
 import torch
 import torch.nn.functional as F
 
 from torchbook import lab
-from torchbook.results import read_result
 from torchbook.profiles import make_profile
+from torchbook.results import read_result
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_gpu_results():
+    """examples/gpu_results.py as a module (examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("gpu_results", ROOT / "examples" / "gpu_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_results = load_gpu_results()
 
 
 def test_mlp_is_784_256_128_10():
@@ -21,6 +40,27 @@ def test_mlp_is_784_256_128_10():
     assert model(torch.zeros(5, 1, 28, 28)).shape == (5, 10)
 
 
+def test_fresh_model_repeats_its_weights_for_a_seed():
+    first, again, other = (lab.fresh_model((16,), seed, torch.device("cpu")) for seed in (3, 3, 4))
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))
+    assert not torch.equal(first.layers[1].weight, other.layers[1].weight)
+
+
+def test_evaluate_counts_correct_argmaxes_and_restores_train_mode():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.5), torch.nn.Linear(4, 3))
+    images, labels = torch.randn(50, 1, 2, 2), torch.randint(0, 3, (50,))
+    accuracy, loss = lab.evaluate(model, images, labels)
+    model.eval()  # by hand: eval mode (dropout off), no autocast
+    with torch.no_grad():
+        logits = model(images)
+    assert accuracy == pytest.approx((logits.argmax(1) == labels).float().mean().item())
+    assert loss == pytest.approx(F.cross_entropy(logits, labels).item())
+    model.train()
+    lab.evaluate(model, images, labels)
+    assert model.training, "evaluate must leave a training model in train mode"
+
+
 def test_accumulated_step_equals_one_big_batch_step():
     torch.manual_seed(0)
     images, labels = torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,))
@@ -28,8 +68,8 @@ def test_accumulated_step_equals_one_big_batch_step():
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    losses = lab.train_epoch(model, optimizer, scheduler, images, labels, batch_size=128,
-                             generator=torch.Generator().manual_seed(3), accum_steps=4)
+    losses = gpu_results.train_epoch(model, optimizer, scheduler, images, labels, batch_size=128,
+                                     generator=torch.Generator().manual_seed(3), accum_steps=4)
     # The same step by hand: the mean loss over the whole batch, one gradient, p -= lr * grad.
     order = torch.randperm(128, generator=torch.Generator().manual_seed(3))
     loss = F.cross_entropy(reference(images[order]), labels[order])
@@ -49,8 +89,8 @@ def test_train_epoch_with_drop_last_takes_only_full_batches():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     images, labels = torch.randn(100, 1, 28, 28), torch.randint(0, 10, (100,))
-    losses = lab.train_epoch(model, optimizer, scheduler, images, labels, 32, torch.Generator().manual_seed(0),
-                             drop_last=True)
+    losses = gpu_results.train_epoch(model, optimizer, scheduler, images, labels, 32,
+                                     torch.Generator().manual_seed(0), drop_last=True)
     assert len(losses) == 3  # 100 // 32; the 4 left over are dropped
 
 
@@ -58,7 +98,7 @@ def test_sgd_follows_the_same_cosine_as_adamw():
     sizes = make_profile("cpu").lab
     rates = {}
     for name in ("adamw", "sgd"):
-        optimizer, scheduler = lab.make_optimizer(name, lab.MLP((8,)), sizes, total_steps=10)
+        optimizer, scheduler = gpu_results.lab_optimizer(name, lab.MLP((8,)), sizes, total_steps=10)
         rates[name] = []
         for _ in range(11):
             rates[name].append(optimizer.param_groups[0]["lr"])
@@ -70,47 +110,41 @@ def test_sgd_follows_the_same_cosine_as_adamw():
     assert rates["sgd"][10] == pytest.approx(sizes.sgd_lr * sizes.min_lr / sizes.lr, abs=1e-12)
 
 
-def test_unknown_optimizer_is_refused_by_name():
-    with pytest.raises(ValueError, match="'adam'"):
-        lab.make_optimizer("adam", lab.MLP((8,)), make_profile("cpu").lab, 10)
-
-
-def test_safetensors_header_read_by_hand_matches_the_library(tmp_path):
-    path = tmp_path / "t.safetensors"
-    tensors = {"a": torch.zeros(2, 3), "b": torch.arange(5, dtype=torch.int64)}
-    safetensors.torch.save_file(tensors, path)
-    header = lab.read_safetensors_header(path)
-    with safetensors.safe_open(path, framework="pt") as handle:  # the library's own reading
-        for name in handle.keys():
-            assert header[name]["shape"] == list(handle.get_slice(name).get_shape())
-    assert header["a"]["dtype"] == "F32" and header["b"]["dtype"] == "I64"
-
-
-def test_results_metrics_flattens_every_number_and_drops_the_rest():
-    drills = {"1": {"accuracy": 0.98, "epochs": 3}, "6": {"bit_identical": True, "path": "mlp.pt"},
-              "7": {"header": {"a": {}}, "tensors_equal": False}}
-    assert lab.results_metrics(drills) == {"drill1.accuracy": 0.98, "drill1.epochs": 3.0,
-                                           "drill6.bit_identical": 1.0, "drill7.tensors_equal": 0.0}
-
-
 def test_results_series_splits_a_history_into_steps_and_epochs():
     history = {"step_loss": [2.0, 1.0, 0.5], "epoch_accuracy": [0.9], "epoch_test_loss": [0.3],
                "epoch_seconds": [1.5]}
-    series = lab.results_series({"adamw": history})
+    series = gpu_results.results_series({"adamw": history})
     assert series["adamw.steps"] == {"step": [1.0, 2.0, 3.0], "loss": [2.0, 1.0, 0.5]}
     assert series["adamw.epochs"] == {"epoch": [1.0], "accuracy": [0.9], "test_loss": [0.3], "seconds": [1.5]}
 
 
-def test_script_writes_one_results_file_named_after_the_profile(tmp_path, monkeypatch):
-    def small_lab(profile, folder=None):
-        history = {"step_loss": [1.0, 0.5], "epoch_accuracy": [0.98], "epoch_test_loss": [0.1],
-                   "epoch_seconds": [2.0]}
-        return {"drills": {"1": {"accuracy": 0.98}}, "histories": {"adamw": history}}
+@pytest.fixture(scope="module")
+def small_lab():
+    """The cpu profile with the lab cut to one epoch of 4 steps over a slice of MNIST."""
+    profile = make_profile("cpu")
+    data = lab.load_data(profile.device)
+    data = lab.MnistTensors(data.train_images[:512], data.train_labels[:512], data.test_images[:256],
+                            data.test_labels[:256])
+    return profile, dataclasses.replace(profile.lab, epochs=1, equivalence_steps=3), data
 
-    monkeypatch.setattr(lab, "run_lab", small_lab)
-    assert lab.main(["--profile", "cpu", "--out", str(tmp_path)]) == 0
-    written = read_result(tmp_path / "lab-cpu.json")  # the format torchbook.results validates
-    assert written.run == "lab" and written.profile == "cpu" and written.metrics == {"drill1.accuracy": 0.98}
-    assert written.history["adamw.epochs"]["accuracy"] == [0.98]
-    assert set(written.provenance["sources"]) == set(lab.LAB_SOURCES)
-    assert [path.name for path in tmp_path.iterdir()] == ["lab-cpu.json"]
+
+def test_compile_timing_alternates_over_an_epoch_of_full_batches(small_lab):
+    profile, sizes, data = small_lab
+    # backend="eager": the alternation and the bookkeeping are tested, not inductor's speed
+    timing = gpu_results.compile_timing(data, sizes, profile, backend="eager")
+    assert timing["steps"] == 512 // sizes.batch_size
+    assert timing["speedup"] == pytest.approx(timing["eager_step_s"] / timing["compiled_step_s"])
+
+
+def test_lab_run_writes_one_results_file_named_after_the_profile(small_lab, tmp_path, monkeypatch):
+    profile, sizes, data = small_lab
+    monkeypatch.setattr(gpu_results, "load_data", lambda device: data)
+    monkeypatch.setattr(gpu_results, "compile_timing", lambda data, sizes, profile: {"speedup": 1.0})
+    path = gpu_results.run_lab(tmp_path, profile, sizes)
+    written = read_result(path)  # the format torchbook.results validates
+    assert path.name == "lab-cpu.json" and [p.name for p in tmp_path.iterdir()] == ["lab-cpu.json"]
+    assert written.run == "lab" and written.profile == "cpu"
+    assert written.metrics["drill6.reload_bit_identical"] == 1.0 and written.metrics["drill6.safetensors_equal"] == 1.0
+    assert len(written.history["adamw.steps"]["loss"]) == 512 // sizes.batch_size
+    assert set(written.history) >= {"adamw.epochs", "sgd.epochs", "accumulated.epochs", "bf16.epochs"}
+    assert set(written.provenance["sources"]) == set(gpu_results.LAB_SOURCES)

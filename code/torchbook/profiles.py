@@ -163,7 +163,8 @@ class LabSizes:
     micro_batch_size: int = 32  # drill 4: accum_steps micro-batches of this size
     accum_steps: int = 4
     equivalence_steps: int = 20  # drill 4: optimizer steps compared update by update
-    loader_batches: int = 50  # batches timed per DataLoader measurement
+    smoothing_steps: int = 50  # drill 3: the loss curves' moving mean, in optimizer steps
+    loader_batches: int = size(cpu=30, gpu=50)  # batches timed per DataLoader measurement
     slow_item_s: float = 0.0005  # per-image delay of the starved-loader demonstration
     loader_workers: int = 2
 
