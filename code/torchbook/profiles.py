@@ -142,6 +142,9 @@ class PitfallSizes:
     spike_scale: float = 30.0  # the outlier batch's inputs are this many times larger
     clip_lr: float = 0.05  # high for this problem: one outlier step throws the weights far
     max_grad_norm: float = 20.0  # above every ordinary step's norm, far below the outlier's
+    curve_steps: int = 60  # optimizer steps of each pitfall's training curve
+    sgd_lr: float = 0.02  # the zero_grad curve: SGD converges at this rate only with gradients cleared
+    adam_lr: float = 0.05  # AdamW in the train/eval-mode and stale-state curves
 
 
 @dataclass(frozen=True)
