@@ -40,6 +40,9 @@ Chapters 6-8 and the results of full-size runs:
 
 - ``distributed``: process groups, rank slices, all-reduce counting and launching
   ``torchrun`` jobs that always end.
+- ``memory``: where a GPT's training memory and FLOPs go: parameters, gradients, optimizer
+  states and saved activations predicted (precision, checkpointing, ZeRO/FSDP) and measured,
+  the peak of a step, FLOPs per token, MFU, and whether the GPU runs fit (builds on ``models``).
 - ``mnist``: MNIST read from its verified raw IDX files, as a dataset of PIL images and as resident tensors.
 - ``lab``: the lab's MLP and seven drills, as functions and as a script (builds on
   ``mnist``, ``optim``, ``train``, ``cache`` and ``results``); ``drills``: the exercise notebook's checkers,
