@@ -11,12 +11,19 @@ What it adds to nbval:
 - a failure names the chapter, the cell's line and first line, and the error;
 - a cell that prints a warning fails unless it opts in with ``#| warning: true``
   (or hides warnings with ``#| warning: false``), so no rendered page shows a
-  warning the chapter did not mean to show.
+  warning the chapter did not mean to show;
+- a cell labelled ``fig-...`` fails unless it produces an image, so a figure
+  that stops being drawn is caught here, not by a reader;
+- a chapter whose code starts worker processes (``num_workers=`` other than 0,
+  or ``multiprocessing``) is collected a second time and run with the ``spawn``
+  start method, as on macOS and Windows, where a class defined in a notebook
+  cell cannot reach a worker. Its items are named ``spawn: line N: ...``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import time
@@ -37,6 +44,9 @@ LAB_BUDGET_S = 240.0
 KERNEL_STARTUP_TIMEOUT_S = 60
 COMPILE_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 WARNING_MARKERS = ("Warning:", "UserWarning", "FutureWarning", "DeprecationWarning")
+# Code that starts worker processes: DataLoader workers (num_workers other than 0) or multiprocessing itself.
+STARTS_WORKERS = re.compile(r"\bnum_workers\s*=\s*(?!0\b)|\bmultiprocessing\b")
+START_METHOD_CELL = 'import multiprocessing\n\nmultiprocessing.set_start_method({!r}, force=True)'
 
 
 def pytest_addoption(parser):
@@ -60,6 +70,16 @@ def has_code(path: Path) -> bool:
         return True  # let collection report the error
 
 
+def starts_workers(path: Path) -> bool:
+    """True when a code cell that runs starts worker processes (see STARTS_WORKERS)."""
+    try:
+        cells = parse_qmd(path)[1]
+    except QmdError:
+        return False  # the first collection reports the error
+    return any(cell.kind == "code" and cell.options.get("eval") is not False and STARTS_WORKERS.search(cell.source)
+               for cell in cells)
+
+
 def pytest_collect_file(file_path: Path, parent):
     if file_path.suffix != ".qmd":
         return None
@@ -68,6 +88,29 @@ def pytest_collect_file(file_path: Path, parent):
     # A page of prose only (the References page) is still collected, as a check
     # that it converts, so that naming it in pytest's testpaths is not an error.
     return ProseFile.from_parent(parent, path=file_path)
+
+
+class SpawnRuns:
+    """A second collection hook: each chapter that starts workers, again, under the spawn start method."""
+
+    @pytest.hookimpl(trylast=True)  # after the default run of the same chapter
+    def pytest_collect_file(self, file_path: Path, parent):
+        if file_path.suffix == ".qmd" and starts_workers(file_path):
+            node = ChapterFile.from_parent(parent, path=file_path, nodeid=f"{_relative(file_path, parent)}[spawn]")
+            node.start_method = "spawn"
+            return node
+        return None
+
+
+def _relative(path: Path, parent) -> str:
+    try:
+        return path.relative_to(parent.config.rootpath).as_posix()
+    except ValueError:
+        return path.name
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(SpawnRuns(), "chapter-harness-spawn-runs")
 
 
 class ProseFile(pytest.File):
@@ -86,14 +129,21 @@ class ProseCheck(pytest.Item):
 
 
 class ChapterFile(IPyNbFile):
-    """A .qmd chapter run as one notebook in one kernel."""
+    """A .qmd chapter run as one notebook in one kernel (under ``start_method`` when it is set)."""
+
+    start_method: str | None = None  # None: the platform's default
 
     def collect(self):
         try:
             self.nb = from_dict(to_notebook(self.path, for_tests=True))
         except QmdError as error:
             raise self.CollectError(str(error)) from error
+        if self.start_method is not None:  # a first cell, before anything can start a process
+            self.nb.cells.insert(0, from_dict({"cell_type": "code", "metadata": {"qmd_line": 0}, "outputs": [],
+                                               "execution_count": None,
+                                               "source": START_METHOD_CELL.format(self.start_method)}))
         self.budget_s = chapter_budget_s(self.path, self.config.getoption("--chapter-budget"))
+        prefix = "" if self.start_method is None else f"{self.start_method}: "
         number = 0
         for cell in self.nb.cells:
             if cell.cell_type != "code":
@@ -102,7 +152,7 @@ class ChapterFile(IPyNbFile):
             options["check"] = False  # outputs are not compared: the chapter asserts what matters
             first_line = next((line for line in cell.source.splitlines()
                                if line.strip() and not line.startswith("#|")), "")
-            name = f"line {cell.metadata['qmd_line']}: {first_line[:60]}"
+            name = f"{prefix}line {cell.metadata['qmd_line']}: {first_line[:60]}"
             yield ChapterCell.from_parent(self, name=name, cell_num=number, cell=cell, options=options)
             number += 1
 
@@ -125,7 +175,8 @@ class ChapterFile(IPyNbFile):
         if not hasattr(self, "started"):
             return  # setup never ran
         elapsed = time.monotonic() - self.started
-        self.config.stash.setdefault(CHAPTER_TIMES, {})[self.path.name] = elapsed
+        label = self.path.name if self.start_method is None else f"{self.path.name} ({self.start_method})"
+        self.config.stash.setdefault(CHAPTER_TIMES, {})[label] = elapsed
         self.compile_cache.cleanup()
         if self.saved_cache_variable is None:
             os.environ.pop(COMPILE_CACHE_VARIABLE, None)
@@ -157,6 +208,15 @@ class ChapterCell(IPyNbCell):
         finally:
             self.config.option.nbval_cell_timeout = saved
         self._refuse_unexpected_warnings()
+        self._require_figure()
+
+    def _require_figure(self):
+        label = str(self.cell.metadata.get("qmd_options", {}).get("label", ""))
+        if not label.startswith("fig-"):
+            return
+        if not any(key.startswith("image/") for output in self.test_outputs or [] for key in output.get("data", {})):
+            raise NbCellError(self.cell_num, f"the cell is labelled {label!r} but produced no image: "
+                              "its figure would be missing from the page", self.cell.source)
 
     def _budget_message(self) -> str:
         return (f"{self.parent.path.name} ran past its budget of {self.parent.budget_s:.0f} s "

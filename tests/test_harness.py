@@ -132,3 +132,56 @@ def test_prose_only_page_is_collected_as_a_parse_check(tmp_path):
         """)
     assert result.returncode == 0, result.stdout
     assert "1 passed" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_chapter_that_starts_workers_runs_a_second_time_under_spawn(tmp_path):
+    # The default start method on Linux is fork; the second run's first cell sets spawn, so this assert fails there.
+    result = run_chapter(tmp_path, """
+        ```{python}
+        import multiprocessing
+        ```
+
+        ```{python}
+        method = multiprocessing.get_start_method()
+        assert method != "spawn", f"this run uses {method}"
+        ```
+        """)
+    assert result.returncode == 1, result.stdout
+    assert "spawn: line 6: method = multiprocessing.get_start_method()" in result.stdout
+    assert "this run uses spawn" in result.stdout
+    assert "1 failed, 4 passed" in result.stdout  # 2 cells by default; the start-method cell and 2 cells under spawn
+
+
+@pytest.mark.slow
+def test_a_chapter_without_workers_runs_once(tmp_path):
+    result = run_chapter(tmp_path, """
+        ```{python}
+        from torch.utils.data import DataLoader
+        loader = DataLoader(range(4), num_workers=0)
+        ```
+        """)
+    assert result.returncode == 0, result.stdout
+    assert "1 passed" in result.stdout and "spawn" not in result.stdout
+
+
+@pytest.mark.slow
+def test_a_figure_cell_that_draws_nothing_fails(tmp_path):
+    result = run_chapter(tmp_path, """
+        ```{python}
+        #| label: fig-drawn
+        #| fig-cap: "A line."
+        import matplotlib.pyplot as plt
+        plt.plot([1, 2])
+        plt.show()
+        ```
+
+        ```{python}
+        #| label: fig-empty
+        #| fig-cap: "Nothing is drawn."
+        x = 1
+        ```
+        """)
+    assert result.returncode == 1, result.stdout
+    assert "labelled 'fig-empty' but produced no image" in result.stdout
+    assert "1 failed, 1 passed" in result.stdout
