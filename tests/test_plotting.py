@@ -210,3 +210,23 @@ def test_module_tree_counts_a_tied_weight_once_and_collapses_repeated_layers(clo
     assert not any(text.strip() == "2" for text in texts_of(tree_ax))  # layers.2 is folded into 1–2
     expanded = plot_module_tree(model, collapse_repeats=False).axes[0]
     assert "2" in [text.get_text().strip() for text in expanded.texts]
+
+
+class ManyBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 2)
+        for index in range(4):  # too long for one row at the normal font size
+            self.register_buffer(f"table_number_{index}", torch.zeros(256, 256), persistent=False)
+
+
+def test_module_tree_fits_a_long_row_of_tensors_inside_its_panel(close_figures):
+    figure = plot_module_tree(ManyBuffers())
+    tree_ax = figure.axes[0]
+    renderer = figure.canvas.get_renderer()
+    labels = [text for text in tree_ax.texts if text.get_text().startswith("table_number_")]
+    assert len(labels) == 4  # every buffer is still named, in a smaller font
+    assert all(text.get_fontsize() < 7.5 for text in labels)
+    right_edges = [text.get_window_extent(renderer).transformed(tree_ax.transAxes.inverted()).x1
+                   for text in labels]
+    assert max(right_edges) <= 1.0  # and none runs into the parameter bars

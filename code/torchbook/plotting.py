@@ -336,9 +336,18 @@ def plot_module_tree(model: "nn.Module", collapse_repeats: bool = True) -> Figur
              for y, row in enumerate(rows)]
     tensors_x = max(map(right_edge, types)) + 0.02
     for y, (_, _, tensors, count) in enumerate(rows):
-        x = tensors_x
-        for label, colour in tensors:
-            x = right_edge(tree_ax.text(x, y, label, va="center", fontsize=7.5, color=colour)) + 0.015
+        fontsize, drawn = 7.5, []
+        while True:  # a row too long for the panel is drawn again, in a smaller font
+            x = tensors_x
+            for label, colour in tensors:
+                drawn.append(tree_ax.text(x, y, label, va="center", fontsize=fontsize, color=colour))
+                x = right_edge(drawn[-1]) + 0.015
+            if x <= 1.0 or fontsize < 4:  # fits, or as small as is readable: let it run on
+                break
+            for text in drawn:
+                text.remove()
+            drawn.clear()
+            fontsize *= 0.95 * (1.0 - tensors_x) / (x - tensors_x)
         shared = any(" = " in label for label, _ in tensors) and len(tensors) == 1
         count_ax.barh(y, count, height=0.6, color=PARAMETER_COLOUR, alpha=0.6 if y == 0 else 0.35,
                       hatch="///" if shared else None)
