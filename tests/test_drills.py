@@ -26,7 +26,7 @@ from torchbook.drills import check, check_drill_4
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from drills_notebook import SOURCE, exercise_notebook, parse_cells  # noqa: E402
+from drills_notebook import DEFAULT_TARGET, SOURCE, exercise_notebook, parse_cells  # noqa: E402
 from qmd_notebook import QmdError  # noqa: E402
 
 DRILLS = range(1, 8)
@@ -195,6 +195,14 @@ def test_command_writes_the_notebook_it_is_given(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "tools" / "drills_notebook.py"), str(target)], cwd=ROOT,
                    check=True, capture_output=True)
     assert json.loads(target.read_text())["cells"] == exercise_notebook(ROOT / SOURCE)["cells"]
+
+
+def test_the_chapter_links_the_file_the_pre_render_step_writes():
+    """Quarto resolves the chapter's link only if the file is in the source tree when it renders."""
+    chapter = ROOT / "chapters" / "08-lab.qmd"
+    target = (ROOT / DEFAULT_TARGET).relative_to(chapter.parent)
+    text = chapter.read_text(encoding="utf-8")
+    assert f"]({target})" in text and f"href: {target}" in text
 
 
 @pytest.fixture(scope="module")
