@@ -48,7 +48,7 @@ def gpu_sizes(sizes: Any) -> Any:
 class LanguageModelSizes:
     """Chapter 3: the small causal language model trained on Tiny Shakespeare.
 
-    The cpu sizes train in well under a minute on 2 idle cores, in bf16 as the
+    The cpu sizes train in under a minute on 2 idle cores, in bf16 as the
     chapter runs them (a step is mostly per-operation overhead, so fewer steps
     save more than a smaller model), and still take the validation loss more
     than 1 nat/char below the unigram baseline; the gpu sizes are the usual
