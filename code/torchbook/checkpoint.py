@@ -67,7 +67,7 @@ from torchbook.state_dicts import state_dict_problems, unwrap_model, unwrap_stat
 
 # Written into every training checkpoint so a file of another kind is recognised.
 TRAINING_FORMAT = "torchbook.training_checkpoint"
-TRAINING_FORMAT_VERSION = 3  # 3: the trainer's unlogged steps are a list of StepResult dicts
+TRAINING_FORMAT_VERSION = 3  # 3: unlogged steps as StepResult dicts, the random states as plain values
 CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d{6,})-step-(\d{8,})\.pt$")
 
 
