@@ -52,7 +52,7 @@ def run_language_model(out: Path, profile: Profile, sizes: LanguageModelSizes) -
     """Chapter 3's character-level GPT at ``sizes``; returns the results file."""
     corpus = load_corpus(shakespeare_path())
     started = time.perf_counter()
-    run = train_char_lm(corpus, sizes, profile.device, profile.autocast_dtype, profile.seed)
+    run = train_char_lm(corpus, sizes, profile.device, profile.precision, profile.seed)
     history = run.trainer.history
     series = history_series(history)
     parameters = sum(p.numel() for p in run.trainer.model.parameters())
@@ -86,7 +86,7 @@ def run_compile(out: Path, profile: Profile, sizes: LanguageModelSizes) -> Path:
     corpus = load_corpus(shakespeare_path())
     batch = [next(random_blocks(corpus.train_tokens, sizes.block_size, sizes.batch_size,
                                 torch.Generator().manual_seed(profile.seed)))]
-    trainers = {name: build(corpus, sizes, profile.device, profile.autocast_dtype, profile.seed)
+    trainers = {name: build(corpus, sizes, profile.device, profile.precision, profile.seed)
                 for name in ("eager", "compiled")}
     trainers["compiled"].model = torch.compile(trainers["compiled"].model)
 
