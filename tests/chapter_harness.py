@@ -239,8 +239,10 @@ class ChapterCell(IPyNbCell):
     def repr_failure(self, excinfo):
         chapter = self.parent.path
         line = self.cell.metadata.get("qmd_line")
-        first = self.name.split(": ", 1)[-1]
-        heading = f"{chapter.parent.name}/{chapter.name}:{line}: cell `{first}` failed"
+        first = re.sub(r"^(\w+: )?line \d+: ", "", self.name)
+        start_method = self.parent.start_method
+        heading = f"{chapter.parent.name}/{chapter.name}:{line}: cell `{first}` failed" + (
+            f" under the {start_method} start method" if start_method else "")
         error = excinfo.value
         if isinstance(error, NbCellError):
             detail = str(error)

@@ -154,6 +154,31 @@ def test_a_chapter_that_starts_workers_runs_a_second_time_under_spawn(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_notebook_class_sent_to_dataloader_workers_fails_only_under_spawn(tmp_path):
+    # What readers on macOS and Windows meet: fork copies the class into the worker, spawn must import it.
+    result = run_chapter(tmp_path, """
+        ```{python}
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+
+
+        class Squares(Dataset):
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                return torch.tensor(i * i)
+
+
+        assert [int(x) for x in DataLoader(Squares(), batch_size=None, num_workers=1)] == [0, 1, 4, 9]
+        ```
+        """)
+    assert result.returncode == 1, result.stdout
+    assert "broken.qmd:2: cell `import torch` failed under the spawn start method" in result.stdout
+    assert "1 failed, 2 passed" in result.stdout  # the default run, then the start-method cell and the failure
+
+
+@pytest.mark.slow
 def test_a_chapter_without_workers_runs_once(tmp_path):
     result = run_chapter(tmp_path, """
         ```{python}
