@@ -1,8 +1,11 @@
-"""The package's copy rule: a module imports from ``torchbook`` only its two helpers, unless it says otherwise."""
+"""The package's copy rule: a module imports from ``torchbook`` only its helpers and what its docstring declares, and copied so, it imports."""
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,3 +44,69 @@ def test_the_package_docstring_lists_every_module():
 
     unlisted = [module for module in MODULES if f"``{module}``" not in (torchbook.__doc__ or "")]
     assert not unlisted, f"torchbook/__init__.py does not describe {unlisted}"
+
+
+def declared_closure(module: str) -> set[str]:
+    """``module``, the modules its docstring says it builds on, theirs in turn, and the helpers each imports."""
+    needed, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        path = PACKAGE / f"{name}.py"
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        declared = {other for other in MODULES if f"torchbook.{other}" in docstring}
+        todo.extend((declared | (package_imports(path) & HELPERS)) - needed)
+    return needed
+
+
+PROBE = """
+import importlib, json, sys
+errors = {}
+for module, folder in json.loads(sys.argv[1]).items():
+    for name in [name for name in sys.modules if name == "torchbook" or name.startswith("torchbook.")]:
+        del sys.modules[name]
+    sys.path.insert(0, folder)
+    try:
+        importlib.import_module("torchbook." + module)
+        outside = [name for name, loaded in sys.modules.items() if name.startswith("torchbook")
+                   and not (getattr(loaded, "__file__", "") or "").startswith(folder)]
+        if outside:
+            errors[module] = "loaded from outside the copies: " + ", ".join(outside)
+    except Exception as error:
+        errors[module] = f"{type(error).__name__}: {error}"
+    sys.path.remove(folder)
+print(json.dumps(errors))
+"""
+
+
+@pytest.fixture(scope="module")
+def copy_errors(tmp_path_factory) -> dict[str, str]:
+    """Each module copied with its declared closure into a project of its own, imported there.
+
+    Every project is a fresh folder holding a ``torchbook`` package of copies
+    only. One interpreter imports them in turn (torch is imported once), putting
+    each project first on the path and forgetting the previous copies; a module
+    counts only if every ``torchbook`` module it loaded is one of its copies.
+    """
+    folders = {}
+    for module in MODULES:
+        project = tmp_path_factory.mktemp(f"copy-{module}")
+        copied = project / "torchbook"
+        copied.mkdir()
+        (copied / "__init__.py").write_text("", encoding="utf-8")
+        for name in declared_closure(module):
+            (copied / f"{name}.py").write_text((PACKAGE / f"{name}.py").read_text(encoding="utf-8"),
+                                               encoding="utf-8")
+        folders[module] = str(project)
+    result = subprocess.run([sys.executable, "-c", PROBE, json.dumps(folders)], capture_output=True,
+                            text=True, timeout=600, cwd=tmp_path_factory.getbasetemp())
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_a_module_copied_with_what_it_declares_imports_without_the_package(module, copy_errors):
+    assert module not in copy_errors, (
+        f"{module} copied with {sorted(declared_closure(module))} does not import: {copy_errors[module]}")

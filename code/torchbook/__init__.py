@@ -14,27 +14,35 @@ Chapters 1-5:
 
 - ``cache``: finds or downloads MNIST and Tiny Shakespeare, verified by SHA-256, and
   names the folder for derived files.
-- ``models``: the small GPT (pre-norm, RoPE, SDPA, tied head), the tutorial TinyMLP,
-  parameter counting, ``check_token_ids``.
+- ``models``: the small GPT (pre-norm, RoPE, SDPA, tied head; packed rows with per-document
+  masks; optional activation checkpointing), the tutorial TinyMLP, parameter counting,
+  ``check_token_ids``.
 - ``optim``: the book's AdamW (decay and no-decay groups, fused where it can be), the
-  warmup + cosine schedule, a changed config applied on resume, and the checks of a saved
-  optimizer state that torch would load without complaint.
+  warmup + cosine schedule, a changed config applied on resume, and the layout check of a
+  saved optimizer state (groups, sizes, ``amsgrad``, moment shapes) that torch would load
+  and then fail on.
 - ``train``: the training loop (autocast, fp32 loss, token-normalised accumulation, scaler,
   clipping), ``StepResult``, the ``Trainer``'s ``state_dict``/``load_state_dict``, and the
-  gradient arithmetic of DDP and FSDP2 (builds on ``optim``).
+  gradient arithmetic of DDP and FSDP2 (builds on ``optim`` and ``state_dicts``).
 - ``charlm``: chapter 3's character-level language model on Tiny Shakespeare as one
   experiment (builds on ``models`` and ``train``).
 - ``plotting``: loss curves and training diagnostics from a history.
 - ``data``: token shards on disk and a streaming ``IterableDataset`` over them,
   split across workers and ranks, resumable.
 - ``tokenizer``: a byte-level BPE tokenizer trained locally with ``tokenizers``.
-- ``chat``: chat records into training examples (template, prompt masking, padding, packing).
+- ``chat``: chat records into training examples (template, prompt masking, padding, packing
+  with per-document masks) (builds on ``train`` for ``IGNORE_INDEX``).
 - ``hf``: the tokenizer and chat template as a ``transformers`` tokenizer (builds on
   ``tokenizer`` and ``chat``).
+- ``state_dicts``: a model's ``state_dict`` across ``torch.compile`` and DDP wrappers (the one
+  unwrap of a module and of its keys) and the key/shape/dtype check to run before
+  ``load_state_dict``.
 - ``checkpoint``: exact resume: weights and the full training state (``Trainer.state_dict``,
-  RNG including MPS, data position), atomic, ``weights_only``-safe, rotation by save sequence.
+  RNG including MPS, data position), atomic, ``weights_only``-safe, rotation by save sequence;
+  parsed whole before anything changes (``TrainingCheckpoint``), with its trust model in its
+  docstring (builds on ``state_dicts``).
 - ``weights``: publishing: safetensors (tied weights as ``save_model`` stores them), a
-  sharded index, loading on the ``meta`` device.
+  sharded index, loading on the ``meta`` device (builds on ``state_dicts``).
 
 Chapters 6-8 and the results of full-size runs:
 
