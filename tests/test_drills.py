@@ -100,6 +100,7 @@ for micro_batches in (1, 4):
                       micro_batches, max_steps=20)
     states.append({name: tensor.clone() for name, tensor in m.state_dict().items()})
 big_batch_state, accumulated_state = states
+compared_steps = 20
 accumulated_model = make_mlp(seed)
 accumulated_optimizer = torch.optim.AdamW(accumulated_model.parameters(), lr=1e-3)
 order = torch.Generator().manual_seed(seed)
@@ -255,7 +256,7 @@ def twenty_steps(namespace: dict, seed: int, micro_batches: int, divide: bool = 
 def test_correct_accumulation_passes_whatever_the_seed(unsolved, seed):
     """Float32 rounding differs from seed to seed; the drill-4 rule must hold for each, not for one lucky seed."""
     namespace, _ = unsolved
-    message = check_drill_4(twenty_steps(namespace, seed, 1), twenty_steps(namespace, seed, 4), 0.98, 0.98)
+    message = check_drill_4(twenty_steps(namespace, seed, 1), twenty_steps(namespace, seed, 4), 20, 0.98, 0.98)
     assert message.startswith("drill 4 passed"), message
 
 
@@ -319,6 +320,13 @@ def test_drill_4_refuses_accumulation_done_wrong(solved, mistake):
     printed = checked(4, namespace, accumulated_state=twenty_steps(namespace, 0, 4, **mistake),
                       big_batch_state=twenty_steps(namespace, 0, 1))
     assert "of the weights differ by more than 1e-06" in printed and "divided by accum_steps" in printed
+
+
+@pytest.mark.slow
+def test_drill_4_refuses_a_comparison_after_too_many_steps(solved):
+    namespace, _ = solved
+    printed = checked(4, namespace, compared_steps=100)
+    assert "compared after 100 steps; compare after at most 20" in printed
 
 
 @pytest.mark.slow

@@ -34,9 +34,13 @@ COMPILED_LOGIT_ATOL = 1e-4  # drill 2: fused kernels sum float32 products in ano
 # the rounding changes the step by up to the learning rate (2.2e-5 seen after 20 steps).
 # Measured over seeds 0-3: at most 4 of 235,146 weights differ by more than 1e-6 when
 # correct; 88% or more when the loss is not divided, zero_grad is missing or the data
-# order differs. In float64 the two agree to 2e-14. So: a fraction, not a maximum.
+# order differs. In float64 the two agree to 2e-14. So: a fraction, not a maximum. The
+# rule holds for a few dozen steps only: the differences then grow like any perturbation
+# of training (after 50 steps 9% of the weights were beyond 1e-6 for one seed, after 100
+# steps 45% and 90%), so the comparison is made after at most 20 steps.
 ACCUMULATION_WEIGHT_ATOL = 1e-6
 MAX_FRACTION_BEYOND_ATOL = 1e-3
+MAX_COMPARED_STEPS = 20
 MAX_ACCURACY_GAP = 0.005  # drill 4: "unchanged" accuracy, half a percentage point
 MAX_AUTOCAST_LOSS_GAP = 0.005  # drill 5: the lab's 0.5%
 # Drill 5: your losses against the checker's recomputation. 2e-5 relative covers a
@@ -150,9 +154,13 @@ def check_drill_3(sgd_optimizer: torch.optim.Optimizer, sgd_losses: Sequence[flo
 
 
 def check_drill_4(big_batch_state: Mapping[str, Tensor], accumulated_state: Mapping[str, Tensor],
-                  big_batch_accuracy: float, accumulated_accuracy: float) -> str:
+                  compared_steps: int, big_batch_accuracy: float, accumulated_accuracy: float) -> str:
     """Weights after the same steps agree but for a few near-eps weights; final accuracies within half a point."""
     problems = []
+    if compared_steps > MAX_COMPARED_STEPS:
+        problems.append(f"compared after {compared_steps} steps; compare after at most {MAX_COMPARED_STEPS}: "
+                        "later, float32 rounding differences grow as any small change to a training run does, "
+                        "and correct accumulation no longer matches weight by weight")
     if big_batch_state.keys() != accumulated_state.keys():
         problems.append("the two state dicts have different keys")
         beyond = 0.0
