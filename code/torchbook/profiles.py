@@ -84,11 +84,6 @@ class DataSizes:
     num_workers: int = size(cpu=2, gpu=4)
     timed_batches: int = size(cpu=200, gpu=1000)  # batches timed per streaming measurement
     tutorial_timed_batches: int = size(cpu=30, gpu=100)  # the tutorial TokenDataset is slow; fewer batches give a stable rate
-    loader_batch_size: int = 64  # MNIST batches in the DataLoader demonstrations; 60,000 % 64 leaves a partial batch
-    slow_item_s: float = 0.001  # per-image delay of the starved-loader demonstration
-    starved_batches: int = 16
-    starved_workers: int = size(cpu=2, gpu=4)  # more than the cores makes DataLoader warn
-    mnist_batch_size: int = 256
     chat_records: int = 200  # local chat records built from Tiny Shakespeare
     chat_batch_size: int = 8
     chat_block_size: int = 128
