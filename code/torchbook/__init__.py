@@ -52,8 +52,8 @@ Chapters 6-8 and the results of full-size runs:
   states and saved activations predicted (precision, checkpointing, ZeRO/FSDP) and measured,
   the peak of a step, FLOPs per token, MFU, and whether the GPU runs fit (builds on ``models``).
 - ``mnist``: MNIST read from its verified raw IDX files, as a dataset of PIL images and as resident tensors.
-- ``lab``: the lab's MLP and seven drills, as functions and as a script (builds on
-  ``mnist``, ``optim``, ``train``, ``cache`` and ``results``); ``drills``: the exercise notebook's checkers,
+- ``lab``: what the lab's drills share: the MLP, its evaluation and MNIST as resident tensors
+  (builds on ``mnist`` and ``cache``); ``drills``: the exercise notebook's checkers,
   independent of ``lab`` on purpose: they recompute from your objects, not from the lab's code.
 - ``results``: results of full-size runs as JSON with provenance, and their staleness.
 
