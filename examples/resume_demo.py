@@ -89,8 +89,9 @@ def die_halfway_through_saves() -> None:
 def byte_shard(folder: Path) -> Path:
     """Tiny Shakespeare as one shard of byte tokens in ``folder``, rewritten unless it reads back whole.
 
-    A run killed inside ``write_shard`` can leave a ``.bin`` without its
-    sidecar: the shard is trusted only when ``read_header`` validates the pair.
+    A run killed inside ``write_shard`` leaves the old shard or none (one file,
+    renamed into place): the shard is trusted only when ``read_header``
+    validates its header against its size.
     """
     path = Path(folder) / "shakespeare_bytes.bin"
     try:
