@@ -13,8 +13,11 @@ QUARTO_MIN := 1.9
 
 # make gpu-results: every full-size result the book shows, as JSON with provenance in assets/results/.
 # Meant for a GPU machine; PROFILE=cpu writes the same files from the small sizes.
+# DRY_RUN=1 runs every one of them at the gpu sizes on the CPU for a few steps (no GPU needed),
+# writing <run>-gpu-dry-run.json files that the chapters never plot.
 PROFILE ?= gpu
 RESULTS_DIR ?= assets/results
+DRY_RUN ?=
 
 setup: $(STAMP)
 
@@ -43,7 +46,7 @@ book: data
 	QUARTO_PYTHON=$(abspath $(PY)) quarto render
 
 gpu-results: data
-	QUARTO_PROFILE=$(PROFILE) $(PY) examples/gpu_results.py --out $(RESULTS_DIR)
+	QUARTO_PROFILE=$(PROFILE) $(PY) examples/gpu_results.py --out $(RESULTS_DIR) $(if $(DRY_RUN),--dry-run)
 
 clean:
 	rm -rf _book .quarto .cache .pytest_cache

@@ -2,10 +2,17 @@
 
 Run on a GPU machine with the gpu profile (``QUARTO_PROFILE=gpu``, what ``make
 gpu-results`` sets), it trains chapter 3's language model at full size in
-bf16, runs the lab's drills and times ``torch.compile`` on that model, and writes one file
-per run, ``<run>-<profile>.json``, into ``--out`` (``assets/results/``). With
-the cpu profile it writes the same files from the small sizes; ``--max-steps``
-shortens the language-model run further, which is how the tests exercise it.
+bf16, runs the lab's drills, times ``torch.compile`` on chapter 3's model and
+measures chapter 7's GPT-2-sized model (tokens per second, MFU, peak memory),
+and writes one file per run, ``<run>-<profile>.json``, into ``--out``
+(``assets/results/``). With the cpu profile it writes the same files from the
+small sizes; ``--max-steps`` shortens the language-model run further.
+
+``--dry-run`` (``make gpu-results DRY_RUN=1``) runs every one of these at the
+gpu profile's sizes and precision on the CPU, for a handful of steps each: the
+configs, shapes, autocast, the results format and the files all meet the full
+sizes before a GPU hour is paid for. Its files are named
+``<run>-gpu-dry-run.json`` and marked ``dry_run``; the chapters never plot them.
 
 The chapters read these files and plot them beside their live CPU run; each
 file records the hashes of the sources it depends on, so a figure can say when
@@ -34,8 +41,29 @@ from torchbook.files import atomic_write
 from torchbook.lab import MnistTensors, evaluate, fresh_model, load_data, test_logits
 from torchbook.mnist import resident_batches
 from torchbook.optim import OptimizerConfig, build_optimizer, build_schedule
-from torchbook.profiles import LabSizes, LanguageModelSizes, Profile, active_profile, synchronize
+from torchbook.memory import (TrainingShape, matmul_flops_per_second, peak_bytes, predict_peak, state_bytes,
+                              throughput_metrics, training_step)
+from torchbook.models import GPT, GPTConfig
+from torchbook.profiles import (AUTOCAST_DTYPES, LabSizes, LanguageModelSizes, MemorySizes, Profile,
+                                active_profile, gpu_profile, synchronize)
 from torchbook.results import history_series, make_provenance, write_result
+
+DRY_RUN_STEPS = 2  # optimizer steps of each run in a dry run: enough to take a step after the first
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """Where a run writes its file, and whether the file is a dry run's."""
+
+    folder: Path
+    dry_run: bool = False
+
+    def path(self, run: str, profile: Profile) -> Path:
+        return self.folder / f"{run}-{profile.name}{'-dry-run' if self.dry_run else ''}.json"
+
+    def write(self, run: str, profile: Profile, metrics: dict, history: dict, provenance: dict) -> Path:
+        return write_result(self.path(run, profile), run, profile.name, metrics, history, provenance,
+                            dry_run=self.dry_run)
 
 # What each run's numbers depend on: a change to any of these makes its file stale.
 LM_SOURCES = ("code/torchbook/charlm.py", "code/torchbook/models.py", "code/torchbook/train.py",
@@ -48,7 +76,7 @@ def shorter(sizes: LanguageModelSizes, max_steps: int) -> LanguageModelSizes:
                                eval_every=min(sizes.eval_every, max_steps), log_every=min(sizes.log_every, max_steps))
 
 
-def run_language_model(out: Path, profile: Profile, sizes: LanguageModelSizes) -> Path:
+def run_language_model(out: Output, profile: Profile, sizes: LanguageModelSizes) -> Path:
     """Chapter 3's character-level GPT at ``sizes``; returns the results file."""
     corpus = load_corpus(shakespeare_path())
     started = time.perf_counter()
@@ -66,13 +94,13 @@ def run_language_model(out: Path, profile: Profile, sizes: LanguageModelSizes) -
         "tokens_per_second": history[-1]["tokens_per_second"],
     }
     provenance = make_provenance(profile.device, repository_root(), LM_SOURCES, time.perf_counter() - started)
-    path = write_result(out / f"lm-{profile.name}.json", "lm", profile.name, metrics, series, provenance)
+    path = out.write("lm", profile, metrics, series, provenance)
     print(f"lm: {run.trainer.step} steps in {run.train_seconds:.1f} s, validation loss "
           f"{metrics['final_val_loss']:.3f} nats/char -> {path}", flush=True)
     return path
 
 
-RUNS = ("lm", "lab", "compile")
+RUNS = ("lm", "lab", "compile", "memory")
 
 
 COMPILE_SOURCES = ("code/torchbook/charlm.py", "code/torchbook/models.py", "code/torchbook/train.py",
@@ -81,7 +109,8 @@ COMPILE_WARMUP_STEPS = 3  # after the first step: the allocator and caches settl
 COMPILE_TIMED_STEPS = 30  # steady steps timed per model, eager and compiled taking turns
 
 
-def run_compile(out: Path, profile: Profile, sizes: LanguageModelSizes) -> Path:
+def run_compile(out: Output, profile: Profile, sizes: LanguageModelSizes, warmup_steps: int = COMPILE_WARMUP_STEPS,
+                timed_steps: int = COMPILE_TIMED_STEPS) -> Path:
     """Chapter 3's GPT at ``sizes``, eager against ``torch.compile``: first step and steady step."""
     corpus = load_corpus(shakespeare_path())
     batch = [next(random_blocks(corpus.train_tokens, sizes.block_size, sizes.batch_size,
@@ -99,11 +128,11 @@ def run_compile(out: Path, profile: Profile, sizes: LanguageModelSizes) -> Path:
 
     started = time.perf_counter()
     first = {name: timed_step(name) for name in trainers}  # the compiled one includes compilation
-    for _ in range(COMPILE_WARMUP_STEPS):
+    for _ in range(warmup_steps):
         for name in trainers:
             timed_step(name)
     steps = {name: [] for name in trainers}
-    for _ in range(COMPILE_TIMED_STEPS):  # alternate, so a change in load hits both alike
+    for _ in range(timed_steps):  # alternate, so a change in load hits both alike
         for name in trainers:
             steps[name].append(timed_step(name))
     step = {name: statistics.median(times) for name, times in steps.items()}
@@ -113,10 +142,10 @@ def run_compile(out: Path, profile: Profile, sizes: LanguageModelSizes) -> Path:
         "speedup": step["eager"] / step["compiled"], "compile_s": first["compiled"] - step["compiled"],
         "tokens_per_step": sizes.block_size * sizes.batch_size,
     }
-    history = {name: {"step": [float(i + 1) for i in range(COMPILE_TIMED_STEPS)], "seconds": times}
+    history = {name: {"step": [float(i + 1) for i in range(timed_steps)], "seconds": times}
                for name, times in steps.items()}
     provenance = make_provenance(profile.device, repository_root(), COMPILE_SOURCES, time.perf_counter() - started)
-    path = write_result(out / f"compile-{profile.name}.json", "compile", profile.name, metrics, history, provenance)
+    path = out.write("compile", profile, metrics, history, provenance)
     print(f"compile: {metrics['speedup']:.2f}x steady-state, compilation {metrics['compile_s']:.1f} s -> {path}",
           flush=True)
     return path
@@ -259,10 +288,16 @@ def results_series(histories: dict[str, dict]) -> dict[str, dict[str, list[float
     return series
 
 
-def run_lab(out: Path, profile: Profile, sizes: LabSizes) -> Path:
-    """The seven drills at ``sizes``; writes ``lab-<profile>.json`` with every number and each run's history."""
+def run_lab(out: Output, profile: Profile, sizes: LabSizes, train_batches: int | None = None) -> Path:
+    """The seven drills at ``sizes``; writes ``lab-<profile>.json`` with every number and each run's history.
+
+    ``train_batches`` keeps only that many batches of the training images (a dry run's handful of steps).
+    """
     started = time.perf_counter()
     data = load_data(profile.device)
+    if train_batches is not None:
+        kept = train_batches * sizes.batch_size
+        data = dataclasses.replace(data, train_images=data.train_images[:kept], train_labels=data.train_labels[:kept])
     model, adamw = lab_run(data, sizes, profile)
     histories = {"adamw": adamw, "sgd": lab_run(data, sizes, profile, "sgd")[1],
                  "accumulated": lab_run(data, sizes, profile, accum_steps=sizes.accum_steps)[1],
@@ -281,11 +316,49 @@ def run_lab(out: Path, profile: Profile, sizes: LabSizes) -> Path:
     for name in ("sgd", "accumulated", "bf16"):
         metrics[f"{name}.accuracy"] = histories[name]["epoch_accuracy"][-1]
     provenance = make_provenance(profile.device, repository_root(), LAB_SOURCES, time.perf_counter() - started)
-    path = write_result(out / f"lab-{profile.name}.json", "lab", profile.name, metrics, results_series(histories),
-                        provenance)
+    path = out.write("lab", profile, metrics, results_series(histories), provenance)
     print(f"lab: {metrics['drill1.accuracy']:.2%} after {sizes.epochs} epochs, compile speedup "
           f"{metrics['drill2.speedup']:.2f}x -> {path}", flush=True)
     return path
+
+
+# ----- chapter 7: memory, throughput and MFU of a GPT-2-sized model -----
+
+MEMORY_SOURCES = ("code/torchbook/memory.py", "code/torchbook/models.py", "code/torchbook/profiles.py",
+                  "examples/gpu_results.py")
+
+
+def run_memory(out: Output, profile: Profile, sizes: MemorySizes) -> Path:
+    """Chapter 7's GPT at its longest context: tokens/s, FLOPs per token, matmul peak, MFU, peak bytes."""
+    steps = max(sizes.seq_lens)
+    config = GPTConfig(sizes.vocab_size, steps, sizes.n_layer, sizes.n_head, sizes.d_model)
+    torch.manual_seed(profile.seed)
+    model = GPT(config).to(profile.device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    idx = torch.randint(0, sizes.vocab_size, (sizes.batch_size, steps), device=profile.device)
+    targets = idx.roll(-1, dims=1)
+    started = time.perf_counter()
+    peak_rate = matmul_flops_per_second(sizes.matmul_size, profile.device, AUTOCAST_DTYPES[profile.precision])
+    metrics = throughput_metrics(model, optimizer, idx, targets, profile.precision, sizes.timed_steps, peak_rate)
+    states = state_bytes(model, optimizer)
+    metrics["peak_bytes"] = states["parameters"] + states["optimizer_states"] + peak_bytes(
+        lambda: training_step(model, optimizer, idx, targets, profile.precision), profile.device)
+    metrics["predicted_peak_bytes"] = predict_peak(
+        config, TrainingShape(sizes.batch_size, steps, profile.precision, device_type=profile.device.type))
+    provenance = make_provenance(profile.device, repository_root(), MEMORY_SOURCES, time.perf_counter() - started)
+    path = out.write("memory", profile, metrics, {}, provenance)
+    print(f"memory: {metrics['tokens_per_second']:,.0f} tokens/s, MFU {metrics['mfu']:.1%}, peak "
+          f"{metrics['peak_bytes'] / 1e9:.2f} GB (predicted {metrics['predicted_peak_bytes'] / 1e9:.2f}) -> {path}",
+          flush=True)
+    return path
+
+
+def dry_run_sizes(profile: Profile) -> tuple[LanguageModelSizes, LabSizes, MemorySizes]:
+    """The gpu sizes with every count of steps, evaluations and samples cut to a handful; no shape changes."""
+    lm = dataclasses.replace(shorter(profile.lm, DRY_RUN_STEPS), eval_batches=1, sample_tokens=8)
+    lab = dataclasses.replace(profile.lab, equivalence_steps=DRY_RUN_STEPS)
+    memory = dataclasses.replace(profile.memory, timed_steps=1)
+    return lm, lab, memory
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,20 +367,32 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder for the JSON files (default: assets/results)")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="cap the language model's optimizer steps (for quick checks)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every run at the gpu sizes on the CPU for a few steps; files marked as a dry run")
     parser.add_argument("--only", choices=RUNS, action="append",
                         help="run only these (repeatable); default: every run")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    profile = active_profile()
-    print(f"profile {profile.name}: device {profile.device}, torch {torch.__version__}", flush=True)
+    profile = gpu_profile(torch.device("cpu")) if args.dry_run else active_profile()
+    out = Output(args.out, dry_run=args.dry_run)
+    kind = "a dry run of the gpu sizes" if args.dry_run else "results"
+    print(f"profile {profile.name}: device {profile.device}, torch {torch.__version__}; {kind}", flush=True)
     chosen = args.only or list(RUNS)
-    lm_sizes = profile.lm if args.max_steps is None else shorter(profile.lm, args.max_steps)
+    if args.dry_run:
+        lm_sizes, lab_sizes, memory_sizes = dry_run_sizes(profile)
+        compile_steps, train_batches = (0, 1), DRY_RUN_STEPS
+    else:
+        lm_sizes = profile.lm if args.max_steps is None else shorter(profile.lm, args.max_steps)
+        lab_sizes, memory_sizes = profile.lab, profile.memory
+        compile_steps, train_batches = (COMPILE_WARMUP_STEPS, COMPILE_TIMED_STEPS), None
     if "lm" in chosen:
-        run_language_model(args.out, profile, lm_sizes)
+        run_language_model(out, profile, lm_sizes)
     if "lab" in chosen:
-        run_lab(args.out, profile, profile.lab)
+        run_lab(out, profile, lab_sizes, train_batches)
     if "compile" in chosen:
-        run_compile(args.out, profile, profile.lm)
+        run_compile(out, profile, profile.lm, *compile_steps)
+    if "memory" in chosen:
+        run_memory(out, profile, memory_sizes)
     print(f"gpu-results: done in {time.perf_counter() - started:.0f} s", flush=True)
     return 0
 

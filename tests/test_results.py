@@ -75,6 +75,24 @@ def test_find_results_returns_every_file_of_one_run(tmp_path, sources):
     assert find_results(tmp_path / "absent", "lm") == []
 
 
+def test_a_dry_run_file_reads_back_as_one_and_is_never_found_as_a_result(tmp_path, sources):
+    provenance = make_provenance(torch.device("cpu"), sources, ["code/model.py"], wall_seconds=1.0)
+    history = {"train": {"step": [1, 2], "loss": [4.0, 3.5]}}
+    dry = write_result(tmp_path / "lm-gpu-dry-run.json", "lm", "gpu", {"steps": 2}, history, provenance, dry_run=True)
+    real = write_example(tmp_path, sources, "lm-cpu.json")
+    assert read_result(dry).dry_run and not read_result(real).dry_run
+    assert [result.path for result in find_results(tmp_path, "lm")] == [real]
+
+
+def test_a_dry_run_flag_that_is_not_a_boolean_is_refused_naming_the_file(tmp_path, sources):
+    path = write_example(tmp_path, sources)
+    document = json.loads(path.read_text())
+    document["dry_run"] = "yes"
+    path.write_text(json.dumps(document))
+    with pytest.raises(ResultsError, match=r"lm-cpu\.json: 'dry_run' must be true or false"):
+        read_result(path)
+
+
 def test_a_result_is_fresh_until_a_source_it_depends_on_changes(tmp_path, sources):
     result = read_result(write_example(tmp_path, sources))
     assert stale_sources(result, sources) == []

@@ -271,6 +271,19 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def gpu_profile(device: torch.device) -> Profile:
+    """The gpu profile's sizes and precision on ``device``.
+
+    ``make_profile("gpu")`` passes this machine's accelerator; the dry run of
+    the GPU results (``make gpu-results DRY_RUN=1``) passes the CPU, to run the
+    full sizes everywhere up to the device.
+    """
+    cpu = make_profile("cpu")
+    return Profile(name="gpu", device=device, precision="bf16", lm=gpu_sizes(cpu.lm), data=gpu_sizes(cpu.data),
+                   checkpoint=gpu_sizes(cpu.checkpoint), pitfalls=gpu_sizes(cpu.pitfalls), lab=gpu_sizes(cpu.lab),
+                   devices=gpu_sizes(cpu.devices), memory=gpu_sizes(cpu.memory))
+
+
 def make_profile(name: str) -> Profile:
     """Build the profile called ``name`` for this machine."""
     if name == "cpu":
@@ -283,19 +296,7 @@ def make_profile(name: str) -> Profile:
                 "Render with the default cpu profile instead (quarto render), "
                 "which reuses or recomputes the small CPU results."
             )
-        cpu = make_profile("cpu")
-        return Profile(
-            name="gpu",
-            device=device,
-            precision="bf16",
-            lm=gpu_sizes(cpu.lm),
-            data=gpu_sizes(cpu.data),
-            checkpoint=gpu_sizes(cpu.checkpoint),
-            pitfalls=gpu_sizes(cpu.pitfalls),
-            lab=gpu_sizes(cpu.lab),
-            devices=gpu_sizes(cpu.devices),
-            memory=gpu_sizes(cpu.memory),
-        )
+        return gpu_profile(device)
     raise ProfileError(f"unknown profile {name!r}; expected one of {PROFILE_NAMES}")
 
 

@@ -64,6 +64,7 @@ class RunResult:
     metrics: dict[str, float]
     history: dict[str, dict[str, list[float]]]  # series -> column -> values, e.g. history["val"]["loss"]
     provenance: dict[str, Any]
+    dry_run: bool = False  # True: full sizes run for a few steps on the CPU, to test the path; not results
 
     @property
     def label(self) -> str:
@@ -126,11 +127,13 @@ def make_provenance(device: torch.device, root: str | Path, sources: Iterable[st
 
 
 def write_result(path: str | Path, run: str, profile: str, metrics: Mapping[str, float],
-                 history: Mapping[str, Mapping[str, Iterable[float]]], provenance: Mapping[str, Any]) -> Path:
+                 history: Mapping[str, Mapping[str, Iterable[float]]], provenance: Mapping[str, Any],
+                 dry_run: bool = False) -> Path:
     """Write one run's results atomically as JSON, after checking they would read back.
 
     ``history`` maps a series name ("train", "val", "adamw", ...) to its columns
-    ("step", "loss", ...), each a list with one number per row.
+    ("step", "loss", ...), each a list with one number per row. A ``dry_run``
+    file says so, and ``find_results`` never returns it.
     """
     path = Path(path)
     document = {
@@ -143,6 +146,7 @@ def write_result(path: str | Path, run: str, profile: str, metrics: Mapping[str,
                              if isinstance(values, Iterable) and not isinstance(values, (str, bytes, Mapping)) else values for key, values in columns.items()} if isinstance(columns, Mapping)
                     else columns for series, columns in history.items()},
         "provenance": dict(provenance),
+        "dry_run": dry_run,
     }
     _validate(document, path)  # refuse to write what read_result would refuse
     return atomic_write_text(path, json.dumps(document, indent=1, allow_nan=False) + "\n")
@@ -204,6 +208,8 @@ def _validate(document: Any, path: Path) -> None:
         if len(lengths) > 1:
             raise ResultsError(f"{path}: the columns of history[{series!r}] have different lengths "
                                f"{sorted(lengths)}; each column must hold one value per row")
+    if not isinstance(document.get("dry_run", False), bool):
+        raise ResultsError(f"{path}: 'dry_run' must be true or false, got {document['dry_run']!r:.80}")
     provenance = document.get("provenance")
     if not isinstance(provenance, dict):
         raise ResultsError(f"{path}: 'provenance' must be an object, got {type(provenance).__name__}")
@@ -236,13 +242,17 @@ def read_result(path: str | Path) -> RunResult:
         raise ResultsError(f"{path}: not valid JSON for a results file ({type(error).__name__}: {error})") from None
     _validate(document, path)
     return RunResult(path=path, run=document["run"], profile=document["profile"], metrics=document["metrics"],
-                     history=document["history"], provenance=document["provenance"])
+                     history=document["history"], provenance=document["provenance"],
+                     dry_run=document.get("dry_run", False))
 
 
 def find_results(folder: str | Path, run: str) -> list[RunResult]:
-    """Every results file in ``folder`` for ``run`` (``<run>-*.json``), newest first; [] if none."""
+    """Every results file in ``folder`` for ``run`` (``<run>-*.json``), newest first; [] if none.
+
+    Dry runs are left out: their numbers come from a few steps on the CPU.
+    """
     folder = Path(folder)
-    found = [read_result(path) for path in sorted(folder.glob(f"{run}-*.json"))]
+    found = [result for result in map(read_result, sorted(folder.glob(f"{run}-*.json"))) if not result.dry_run]
     return sorted(found, key=lambda result: result.provenance["date"], reverse=True)
 
 
