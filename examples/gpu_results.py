@@ -41,8 +41,8 @@ from torchbook.files import atomic_write
 from torchbook.lab import MnistTensors, evaluate, fresh_model, load_data, test_logits
 from torchbook.mnist import resident_batches
 from torchbook.optim import OptimizerConfig, build_optimizer, build_schedule
-from torchbook.memory import (TrainingShape, matmul_flops_per_second, peak_bytes, predict_peak, state_bytes,
-                              throughput_metrics, training_step)
+from torchbook.flops import matmul_flops_per_second, throughput_metrics
+from torchbook.memory import TrainingShape, peak_bytes, predict_peak, state_bytes, training_step
 from torchbook.models import GPT, GPTConfig
 from torchbook.profiles import (AUTOCAST_DTYPES, LabSizes, LanguageModelSizes, MemorySizes, Profile,
                                 active_profile, gpu_profile, synchronize)
@@ -324,7 +324,7 @@ def run_lab(out: Output, profile: Profile, sizes: LabSizes, train_batches: int |
 
 # ----- chapter 7: memory, throughput and MFU of a GPT-2-sized model -----
 
-MEMORY_SOURCES = ("code/torchbook/memory.py", "code/torchbook/models.py", "code/torchbook/profiles.py",
+MEMORY_SOURCES = ("code/torchbook/memory.py", "code/torchbook/flops.py", "code/torchbook/models.py", "code/torchbook/profiles.py",
                   "examples/gpu_results.py")
 
 

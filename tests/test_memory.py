@@ -7,14 +7,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from torchbook.flops import count_training_flops, flops_per_token
 from torchbook.memory import (
     FIT_SHARE,
     GPU_BYTES,
     TrainingShape,
     activation_terms,
-    count_training_flops,
     fit_table,
-    flops_per_token,
     gpu_run_peaks,
     parameter_count,
     peak_bytes,

@@ -1,4 +1,4 @@
-"""Tests of the loss-curve plot (code/torchbook/plotting.py), read back from the matplotlib objects it draws."""
+"""Tests of the loss curves (plotting.py) and the pictures drawn from live objects (diagrams.py), read back from the matplotlib objects they draw."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_diagnostics_refuse_an_empty_history(close_figures):
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from torchbook.plotting import (  # noqa: E402
+from torchbook.diagrams import (  # noqa: E402
     BUFFER_COLOUR, PARAMETER_COLOUR, SAVED_BUFFER_COLOUR, STRETCHED_COLOUR, broadcast_shape,
     plot_broadcasting, plot_memory_layout, plot_module_tree, storage_positions,
 )

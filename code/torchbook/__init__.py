@@ -26,7 +26,9 @@ Chapters 1-5:
   gradient arithmetic of DDP and FSDP2 (builds on ``optim`` and ``state_dicts``).
 - ``charlm``: chapter 3's character-level language model on Tiny Shakespeare as one
   experiment (builds on ``models`` and ``train``).
-- ``plotting``: loss curves and training diagnostics from a history.
+- ``plotting``: loss curves and training diagnostics from a history, memory per kind.
+- ``diagrams``: pictures drawn from live objects: a tensor's storage and strides, broadcasting,
+  a module tree with its parameters and buffers, one step under DDP or FSDP2.
 - ``data``: token shards on disk and a streaming ``IterableDataset`` over them,
   split across workers and ranks, resumable.
 - ``tokenizer``: a byte-level BPE tokenizer trained locally with ``tokenizers``.
@@ -48,9 +50,12 @@ Chapters 6-8 and the results of full-size runs:
 
 - ``distributed``: process groups, rank slices, all-reduce counting and launching
   ``torchrun`` jobs that always end.
-- ``memory``: where a GPT's training memory and FLOPs go: parameters, gradients, optimizer
-  states and saved activations predicted (precision, checkpointing, ZeRO/FSDP) and measured,
-  the peak of a step, FLOPs per token, MFU, and whether the GPU runs fit (builds on ``models``).
+- ``memory``: where a GPT's training memory goes: parameters, gradients, optimizer states and
+  saved activations predicted (precision, checkpointing, ZeRO/FSDP) and measured, the peak of
+  a step, and whether the GPU runs fit (builds on ``models``).
+- ``flops``: a GPT's training FLOPs per token from the formula and from ``FlopCounterMode``,
+  the device's measured matmul peak, tokens per second and MFU (builds on ``models`` and
+  ``memory``).
 - ``mnist``: MNIST read from its verified raw IDX files, as a dataset of PIL images and as resident tensors.
 - ``lab``: what the lab's drills share: the MLP, its evaluation and MNIST as resident tensors
   (builds on ``mnist`` and ``cache``); ``drills``: the exercise notebook's checkers,

@@ -1,4 +1,4 @@
-"""Where a GPT's training memory and FLOPs go: predicted from its config, and measured.
+"""Where a GPT's training memory goes: predicted from its config, and measured.
 
 It builds on ``torchbook.models`` (``GPTConfig`` and the ``GPT`` whose saved
 tensors the formula counts, one by one) and ``torchbook.profiles`` (the
@@ -38,15 +38,12 @@ import json
 import math
 import os
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
 from torchbook.models import MLP_EXPANSION, GPTConfig
 from torchbook.profiles import AUTOCAST_DTYPES, gpu_sizes, make_profile, synchronize
@@ -238,18 +235,6 @@ def predict_peak(config: GPTConfig, shape: TrainingShape) -> int:
     return int(max(moments))
 
 
-def flops_per_token(config: GPTConfig, seq_len: int) -> int:
-    """Training FLOPs per token: 6N for the matmul weights plus attention's own products.
-
-    Forward, each weight costs a multiply and an add per token (2N); backward
-    costs twice that (4N: gradients for the input and for the weight).
-    Attention multiplies q by T keys and the weights by T values: 2 x 2·T·C per
-    token and layer forward, x3 with backward. Counted over the full (T, T)
-    square, as FLOP counters count it; a causal kernel skips about half.
-    """
-    return 6 * matmul_parameter_count(config) + 12 * config.n_layer * seq_len * config.d_model
-
-
 # Measurements. None of them uses the formulas above.
 
 
@@ -350,60 +335,6 @@ def peak_bytes(step: Callable[[], None], device: torch.device) -> int:
             events = json.load(file)["traceEvents"]
     totals = [event["args"]["Total Allocated"] for event in events if event.get("name") == "[memory]"]
     return max(totals, default=0)
-
-
-def count_training_flops(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, precision: str) -> int:
-    """FLOPs of one forward and backward pass, as ``FlopCounterMode`` counts them.
-
-    Attention runs on SDPA's math path here: the counter has no formula for the
-    CPU's fused kernel, which would leave attention out; the math path does the
-    same products as plain matmuls, which it counts.
-    """
-    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
-        training_loss(model, idx, targets, precision).backward()
-    model.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
-
-
-def matmul_flops_per_second(size: int, device: torch.device, dtype: torch.dtype = torch.float32,
-                            repeats: int = 5) -> float:
-    """The best rate of one (size x size) @ (size x size) matmul: this machine's practical peak."""
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
-    a @ b  # warm-up: the first call pays for allocation and kernel selection
-    best = math.inf
-    for _ in range(repeats):
-        synchronize(a.device)
-        started = time.perf_counter()
-        a @ b
-        synchronize(a.device)
-        best = min(best, time.perf_counter() - started)
-    return 2 * size ** 3 / best
-
-
-def throughput_metrics(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor,
-                       targets: torch.Tensor, precision: str, steps: int, peak_flops_per_second: float
-                       ) -> dict[str, float]:
-    """Tokens per second of ``training_step`` (best of ``steps``), FLOPs per token, and MFU against the given peak.
-
-    MFU, model FLOPs utilisation (Chowdhery et al. 2022, PaLM), is the FLOP rate
-    the model's formula implies at the measured speed, divided by a peak: here
-    the rate ``matmul_flops_per_second`` measures on the same device, one this
-    machine reaches, rather than a datasheet's.
-    """
-    training_step(model, optimizer, idx, targets, precision)  # warm-up: AdamW's states, the allocator's blocks
-    best = math.inf
-    for _ in range(steps):
-        synchronize(idx.device)
-        started = time.perf_counter()
-        training_step(model, optimizer, idx, targets, precision)
-        synchronize(idx.device)
-        best = min(best, time.perf_counter() - started)
-    tokens_per_second = idx.numel() / best
-    per_token = flops_per_token(model.config, idx.size(1))
-    return {"step_s": best, "tokens_per_second": tokens_per_second, "flops_per_token": float(per_token),
-            "model_flops_per_second": per_token * tokens_per_second,
-            "matmul_flops_per_second": peak_flops_per_second,
-            "mfu": per_token * tokens_per_second / peak_flops_per_second}
 
 
 # Will the book's GPU runs fit? Predicted from the gpu sizes, so no GPU is needed to ask.
