@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torchbook.memory import saved_activation_bytes
 from torchbook.models import (
     GPT,
     INIT_STD,
@@ -237,22 +238,6 @@ def test_position_or_document_ids_of_another_shape_are_refused():
         make_model()(idx, position_ids=torch.arange(6))
 
 
-def saved_activation_bytes(model: GPT, idx: torch.Tensor) -> int:
-    """Bytes autograd saves for backward in one forward pass, each storage once, parameters left out."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(idx).float().square().mean().backward()
-    return sum(saved.values())
-
-
 def gradients_after_one_backward(checkpointing: bool) -> list[torch.Tensor]:
     config = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, d_model=32, dropout=0.1,
                        activation_checkpointing=checkpointing)
@@ -272,9 +257,9 @@ def test_activation_checkpointing_gives_bitwise_equal_gradients():
 
 def test_activation_checkpointing_saves_fewer_activations():
     idx = random_tokens(4, 16)
-    plain = saved_activation_bytes(make_model().train(), idx)
     config = GPTConfig(**{**vars(CONFIG), "activation_checkpointing": True})
-    checkpointed = saved_activation_bytes(make_model(config).train(), idx)
+    plain, checkpointed = (saved_activation_bytes(model, lambda: model(idx).float().square().mean())
+                           for model in (make_model().train(), make_model(config).train()))
     # Each block keeps only its input (B, T, d_model) instead of a dozen tensors of that size or more.
     assert checkpointed < plain / 2, (checkpointed, plain)
 
