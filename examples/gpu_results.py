@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import safetensors.torch
 import torch
@@ -51,8 +52,7 @@ from torchbook.results import history_series, make_provenance, write_result
 DRY_RUN_STEPS = 2  # optimizer steps of each run in a dry run: enough to take a step after the first
 
 
-@dataclasses.dataclass(frozen=True)
-class Output:
+class Output(NamedTuple):
     """Where a run writes its file, and whether the file is a dry run's."""
 
     folder: Path
