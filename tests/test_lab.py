@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from torchbook import lab
-from torchbook.profiles import make_profile
+from torchbook.profiles import gpu_profile, make_profile
 from torchbook.results import read_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,7 +140,7 @@ def test_lab_run_writes_one_results_file_named_after_the_profile(small_lab, tmp_
     profile, sizes, data = small_lab
     monkeypatch.setattr(gpu_results, "load_data", lambda device: data)
     monkeypatch.setattr(gpu_results, "compile_timing", lambda data, sizes, profile: {"speedup": 1.0})
-    path = gpu_results.run_lab(tmp_path, profile, sizes)
+    path = gpu_results.run_lab(gpu_results.Output(tmp_path), profile, sizes)
     written = read_result(path)  # the format torchbook.results validates
     assert path.name == "lab-cpu.json" and [p.name for p in tmp_path.iterdir()] == ["lab-cpu.json"]
     assert written.run == "lab" and written.profile == "cpu"
@@ -148,3 +148,17 @@ def test_lab_run_writes_one_results_file_named_after_the_profile(small_lab, tmp_
     assert len(written.history["adamw.steps"]["loss"]) == 512 // sizes.batch_size
     assert set(written.history) >= {"adamw.epochs", "sgd.epochs", "accumulated.epochs", "bf16.epochs"}
     assert set(written.provenance["sources"]) == set(gpu_results.LAB_SOURCES)
+
+
+def test_a_dry_run_keeps_every_gpu_shape_and_cuts_only_the_counts():
+    profile = gpu_profile(torch.device("cpu"))
+    lm, lab_sizes, memory = gpu_results.dry_run_sizes(profile)
+    shape = lambda sizes, names: tuple(getattr(sizes, name) for name in names)  # noqa: E731
+    lm_shape = ("block_size", "batch_size", "n_layer", "n_head", "d_model")
+    assert shape(lm, lm_shape) == shape(profile.lm, lm_shape)
+    assert lm.max_steps == gpu_results.DRY_RUN_STEPS < profile.lm.max_steps and lm.eval_batches == 1
+    assert (lab_sizes.hidden, lab_sizes.batch_size) == (profile.lab.hidden, profile.lab.batch_size)
+    memory_shape = ("vocab_size", "n_layer", "d_model", "batch_size", "seq_lens", "matmul_size")
+    assert shape(memory, memory_shape) == shape(profile.memory, memory_shape)
+    assert profile.precision == "bf16" and profile.device.type == "cpu"
+    assert gpu_results.Output(Path("out"), dry_run=True).path("lm", profile) == Path("out/lm-gpu-dry-run.json")
