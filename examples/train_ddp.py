@@ -78,7 +78,7 @@ def train(args: argparse.Namespace, sizes: DeviceSizes, context: DistributedCont
         block_size=sizes.block_size, batch_size=sizes.micro_batch_size, seed=1,
         rank=context.rank, world_size=context.world_size, epochs=None))
     config = TrainConfig(max_steps=sizes.ddp_steps, lr=sizes.lr, min_lr=sizes.lr / 10, warmup_steps=2,
-                         accum_steps=sizes.accum_steps, log_every=sizes.ddp_steps // 3, eval_every=sizes.ddp_steps)
+                         accum_steps=sizes.accum_steps, log_every=sizes.ddp_steps // 3)
     trainer = Trainer(ddp_model, config, context.device)
     batches = iter(stream)
     allreduces_per_step = []  # DDP regroups its buckets after the first step; count every step

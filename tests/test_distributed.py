@@ -240,7 +240,7 @@ def _single_process_ddp_reference(shards: list[Path]) -> dict[str, torch.Tensor]
     model = GPT(GPTConfig(vocab_size=sizes.vocab_size, block_size=sizes.block_size, n_layer=sizes.n_layer,
                           n_head=sizes.n_head, d_model=sizes.d_model))
     config = TrainConfig(max_steps=sizes.ddp_steps, lr=sizes.lr, min_lr=sizes.lr / 10, warmup_steps=2,
-                         accum_steps=sizes.accum_steps, log_every=sizes.ddp_steps // 3, eval_every=sizes.ddp_steps)
+                         accum_steps=sizes.accum_steps, log_every=sizes.ddp_steps // 3)
     trainer = Trainer(model, config, "cpu")
     for _ in range(sizes.ddp_steps):
         micro_batches = [tuple(torch.cat(parts) for parts in zip(*(next(stream) for stream in streams)))

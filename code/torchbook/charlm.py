@@ -98,8 +98,7 @@ def build(corpus: CharCorpus, sizes: LanguageModelSizes, device: torch.device, p
     torch.manual_seed(seed)
     model = GPT(config).to(device)
     train_config = TrainConfig(max_steps=sizes.max_steps, lr=sizes.lr, min_lr=sizes.min_lr,
-                               warmup_steps=sizes.warmup_steps, precision=precision,
-                               eval_every=sizes.eval_every, log_every=sizes.log_every)
+                               warmup_steps=sizes.warmup_steps, precision=precision, log_every=sizes.log_every)
     return Trainer(model, train_config, device)
 
 
@@ -113,13 +112,18 @@ class CharLMRun:
 
 def train_char_lm(corpus: CharCorpus, sizes: LanguageModelSizes, device: torch.device, precision: str,
                   seed: int) -> CharLMRun:
-    """Build the model at ``sizes`` and train it in ``precision``, validating every ``eval_every`` steps."""
+    """Build the model at ``sizes`` and train it in ``precision``, validating at every ``eval_every``-th step and
+    the last (a ``val_loss`` in that step's history row)."""
     trainer = build(corpus, sizes, device, precision, seed)
     validation = fixed_batches(corpus.val_tokens, sizes.block_size, sizes.batch_size, sizes.eval_batches, seed + 1)
     batches = random_blocks(corpus.train_tokens, sizes.block_size, sizes.batch_size,
                             torch.Generator().manual_seed(seed))
     started = time.perf_counter()
-    trainer.fit(batches, lambda: validation)
+    while trainer.step < sizes.max_steps:
+        result = trainer.train_step([next(batches)])
+        # A step the fp16 scaler skipped leaves trainer.step where it was: it is not evaluated again.
+        if not result.skipped and (trainer.step % sizes.eval_every == 0 or trainer.step == sizes.max_steps):
+            trainer.add_val_loss(validation)  # writes this step's row, then adds its validation loss
     synchronize(device)  # the clock stops when the device has finished, not when the host has queued
     return CharLMRun(trainer=trainer, train_seconds=time.perf_counter() - started)
 

@@ -34,7 +34,7 @@ FUSED_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu")
 class OptimizerConfig:
     """What the optimizer and its schedule are built from."""
 
-    max_steps: int = 1000  # optimizer steps that fit() runs; the cosine ends here
+    max_steps: int = 1000  # optimizer steps of the run; the cosine ends here
     lr: float = 3e-4  # peak learning rate, reached at the end of warmup
     min_lr: float = 3e-5  # learning rate at max_steps, the end of the cosine
     warmup_steps: int = 100  # steps of linear warmup from lr / warmup_steps to lr

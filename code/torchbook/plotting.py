@@ -1,6 +1,6 @@
 """Loss curves and training diagnostics from training histories, on labelled axes.
 
-A history is what ``Trainer.fit`` returns: a list of dicts, one per logged step,
+A history is ``Trainer.history``: a list of dicts, one per logged step,
 each with ``step`` and some of ``loss``, ``val_loss``, ``lr``, ``grad_norm``,
 ``tokens_per_second``. ``plot_history`` draws losses (one line per run and per
 key); ``plot_diagnostics`` draws the three signals that explain a loss curve:

@@ -11,9 +11,9 @@ noticed then, and the error names the step where it started. In fp16 the step
 also reads the loss scale, to know whether the scaler skipped it.
 
 **The step is the API.** ``Trainer.train_step(micro_batches)`` is what every
-script calls, each inside a short loop of its own (``examples/resume_demo.py``
-saves every few steps, ``examples/train_ddp.py`` counts all-reduces);
-``Trainer.fit`` is the short loop of Chapter 3, over an iterator of batches.
+script calls, each inside a short loop of its own: ``charlm.train_char_lm``
+validates every few steps with ``add_val_loss``, ``examples/resume_demo.py``
+saves every few steps, ``examples/train_ddp.py`` counts all-reduces.
 
 The ``Trainer`` owns the training state: ``state_dict()`` holds tensors and
 plain values (``torch.load(..., weights_only=True)`` reads it), and
@@ -38,7 +38,7 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,7 @@ from torchbook.state_dicts import state_dict_problems, unwrap_model
 
 # Targets equal to this are not scored (padding, prompt tokens): cross_entropy's own default.
 IGNORE_INDEX = -100
+Batch = tuple[Tensor, Tensor]  # (inputs, targets)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -73,14 +74,13 @@ class TrainConfig(OptimizerConfig):
     accum_steps: int = 1  # micro-batches per optimizer step
     max_grad_norm: float | None = 1.0  # clip the total gradient norm to this; None: no clipping
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast dtype of the forward pass)
-    eval_every: int = 100  # fit() evaluates every this many steps (and at the end)
     log_every: int = 10  # steps between history rows, i.e. between host syncs
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.precision not in AUTOCAST_DTYPES:
             raise ValueError(f"TrainConfig.precision must be one of {sorted(AUTOCAST_DTYPES)}, got {self.precision!r}")
-        for name in ("accum_steps", "eval_every", "log_every"):
+        for name in ("accum_steps", "log_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive int, got {value!r}")
@@ -119,6 +119,17 @@ class TrainerState:
     config: dict[str, Any]
 
 
+def summed_loss(model: nn.Module, x: Tensor, y: Tensor, precision: str) -> Tensor:
+    """The forward under autocast in ``precision``, then cross-entropy *summed* over ``y``'s target tokens.
+
+    The loss is taken outside autocast, on logits cast to float32: log-softmax over a large vocabulary
+    loses digits in bf16/fp16. A sum, so that the step divides by the token count of all its micro-batches.
+    """
+    with torch.autocast(x.device.type, dtype=AUTOCAST_DTYPES[precision], enabled=precision != "fp32"):
+        logits = model(x)
+    return F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -151,7 +162,6 @@ class Trainer:
         if scheduler is not None and optimizer is None:
             raise ValueError("Trainer: a scheduler was passed without its optimizer; pass both")
         self.model, self.config, self.device = model, config, device
-        self.autocast_dtype = AUTOCAST_DTYPES[config.precision]
         self.owns_optimizer = optimizer is None  # built from config, so load_state_dict sets it to config
         if optimizer is None:
             optimizer, scheduler = build_optimizer(model, config, device)
@@ -175,7 +185,7 @@ class Trainer:
             return self.model.no_sync()
         return contextlib.nullcontext()
 
-    def accumulate_gradients(self, micro_batches: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    def accumulate_gradients(self, micro_batches: Sequence[Batch]) -> tuple[Tensor, Tensor]:
         """Parts 1-3 over ``micro_batches``; returns (mean loss, target tokens) as device tensors.
 
         Dividing each summed loss by the token count of *all* micro-batches makes
@@ -194,13 +204,8 @@ class Trainer:
         self.model.train()
         for index, (x, y) in enumerate(batches):
             with self._gradient_sync(last=index == len(batches) - 1):
-                # 2. forward in low precision, loss in float32 (log-softmax over a large
-                #    vocabulary loses digits in bf16/fp16).
-                with torch.autocast(self.device.type, dtype=self.autocast_dtype,
-                                    enabled=self.config.precision != "fp32"):
-                    logits = self.model(x)
-                loss = F.cross_entropy(logits.float().flatten(0, -2), y.flatten(),
-                                       ignore_index=IGNORE_INDEX, reduction="sum") / target_tokens
+                # 2. forward in low precision, loss in float32, divided by the whole step's token count.
+                loss = summed_loss(self.model, x, y, self.config.precision) / target_tokens
                 # 3. backward; gradients add up in .grad across micro-batches. DDP/FSDP average
                 #    over ranks, so times world_size gives the sum: the global mean's gradient.
                 self.scaler.scale(loss * world_size if world_size > 1 else loss).backward()
@@ -210,17 +215,18 @@ class Trainer:
         return step_loss, target_tokens
 
     def clip_gradients(self) -> Tensor:
-        """Part 4: unscale (fp16: a scaled norm is ``scale`` times too large), then clip; returns the norm before."""
+        """Part 4: unscale (fp16: a scaled norm is ``scale`` times too large), then clip; returns the norm before.
+
+        Without ``max_grad_norm`` the clip is at infinity: every gradient is multiplied by exactly 1.0, and the
+        norm is still measured for the history.
+        """
         self.scaler.unscale_(self.optimizer)
         parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if self.config.max_grad_norm is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm or math.inf)
         # FSDP2 returns the norm as a replicated DTensor; the whole value is on every rank.
         return norm.full_tensor().detach() if hasattr(norm, "full_tensor") else norm.detach()
 
-    def train_step(self, micro_batches: Sequence[tuple[Tensor, Tensor]]) -> StepResult:
+    def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
         """One optimizer step over ``micro_batches`` (usually ``accum_steps``); a step the fp16 scaler skips counts
         in ``skipped_steps``, not ``step``."""
         if len(micro_batches) == 0:
@@ -307,49 +313,29 @@ class Trainer:
         if self.owns_optimizer:
             apply_config(self.optimizer, self.scheduler, self.config)
 
-    # ----- Chapter 3's loop -----
+    # ----- validation -----
 
-    def fit(self, train_batches: Iterator[tuple[Tensor, Tensor]],
-            val_batches: Callable[[], Iterable[tuple[Tensor, Tensor]]] | None = None) -> list[dict]:
-        """Chapter 3's short loop: ``train_step`` until ``config.max_steps`` steps or the end of ``train_batches``.
+    def add_val_loss(self, val_batches: Iterable[Batch]) -> float:
+        """Write the row of the steps so far, add their ``val_loss`` (``evaluate``) to it, and return it.
 
-        Micro-batches go ``accum_steps`` to a step (a shorter group at the end is still one correctly
-        normalised step). ``val_batches()`` gives fresh batches for a ``val_loss`` in the row of every
-        ``eval_every``-th step and of the last. Scripts that save or count write their own loop around ``train_step``.
+        The evaluation's time is left out of the next row's ``tokens_per_second``.
         """
-        train_batches = iter(train_batches)
-        while self.step < self.config.max_steps:
-            group = list(itertools.islice(train_batches, self.config.accum_steps))
-            if not group:
-                break
-            skipped = self.train_step(group).skipped
-            if val_batches is not None and not skipped and self.step % self.config.eval_every == 0:
-                self._add_val_loss(val_batches)
         self.log()
-        if val_batches is not None and self.history and "val_loss" not in self.history[-1]:
-            self._add_val_loss(val_batches)
-        return self.history
-
-    def _add_val_loss(self, val_batches: Callable[[], Iterable[tuple[Tensor, Tensor]]]) -> None:
-        """Write the current step's row if it is pending, and add ``val_loss`` to it."""
-        self.log()
-        self.history[-1]["val_loss"] = evaluate(self.model, val_batches(), self.device, self.config.precision)
-        self._interval_started = time.perf_counter()  # evaluation time is not training throughput
+        val_loss = evaluate(self.model, val_batches, self.device, self.config.precision)
+        self.history[-1]["val_loss"] = val_loss
+        self._interval_started = time.perf_counter()
+        return val_loss
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]], device: torch.device,
-             precision: str = "fp32") -> float:
+def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, precision: str = "fp32") -> float:
     """Mean loss per target token over ``batches``, in eval mode (no dropout), one sync at the end."""
     was_training = model.training
     model.eval()
     total_loss, total_tokens = torch.zeros((), device=device), torch.zeros((), device=device, dtype=torch.int64)
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision], enabled=precision != "fp32"):
-            logits = model(x)
-        total_loss += F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), ignore_index=IGNORE_INDEX,
-                                      reduction="sum")
+        total_loss += summed_loss(model, x, y, precision)
         total_tokens += (y != IGNORE_INDEX).sum()
     model.train(was_training)
     if total_tokens.item() == 0:
