@@ -46,7 +46,9 @@ import numpy as np
 import torch
 
 from torchbook.cache import shakespeare_path
-from torchbook.checkpoint import Resumed, latest_checkpoint, load_training_checkpoint, save_training_checkpoint
+from torchbook.checkpoint import (
+    TrainingCheckpoint, latest_checkpoint, load_training_checkpoint, save_training_checkpoint,
+)
 from torchbook.data import ShardError, StreamConfig, TokenStream, read_header, write_shard
 from torchbook.files import atomic_write
 from torchbook.models import GPT, GPTConfig
@@ -134,14 +136,14 @@ class Run:
             data_state=self.stream.state_dict(batches_consumed=self.batches_drawn),
             model_config=self.model_config, keep_last=self.keep_last)
 
-    def resume(self, path: Path, restore_rng: bool = True) -> Resumed:
+    def resume(self, path: Path, restore_rng: bool = True) -> TrainingCheckpoint:
         """Restore everything ``save`` wrote, into this run's objects, before its first step."""
         if self.batches is not None:
             raise RuntimeError(f"{path}: resume before the first step, not after {self.batches_drawn} batches")
         resumed = load_training_checkpoint(path, self.trainer, model_config=self.model_config,
                                            restore_rng=restore_rng)
-        self.stream.load_state_dict(resumed.data_state)
-        self.batches_drawn = resumed.data_state["batches_consumed"]
+        self.stream.load_state_dict(resumed.data)
+        self.batches_drawn = resumed.data["batches_consumed"]
         return resumed
 
     def train_until(self, until_step: int) -> None:
@@ -196,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.folder}: no checkpoint to resume from", file=sys.stderr)
             return 1
         resumed = run.resume(path, restore_rng=not args.no_restore_rng)
-        print(f"resumed from {path.name} at step {resumed.step}", flush=True)
-        for change in resumed.train_config_changes:
+        print(f"resumed from {path.name} at step {run.trainer.step}", flush=True)
+        for change in resumed.config_changes(run.trainer.config):
             print(f"training configuration changed: {change}", flush=True)
 
     training_started = time.perf_counter()

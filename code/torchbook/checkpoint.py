@@ -53,7 +53,7 @@ import random
 import re
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,7 @@ TRAINING_FORMAT_VERSION = 3  # 3: unlogged steps as StepResult dicts, the random
 CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d{6,})-step-(\d{8,})\.pt$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(Exception):
     """A checkpoint cannot be written or read as asked; the message names the file and the problem."""
 
 
@@ -140,8 +140,6 @@ def _write_torch(path: Path, value: Any) -> Path:
                                   f"as it holds {', '.join(unreadable)} (store tensors and plain values)")
     try:
         return atomic_write(path, write)
-    except CheckpointError:
-        raise
     except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
         raise CheckpointError(f"{path}: could not be written ({type(error).__name__}: {_first_line(error)}); "
                               "is the disk full? The previous file, if any, is unchanged") from error
@@ -174,19 +172,19 @@ def config_as_dict(config: Any) -> dict[str, Any] | None:
 
 
 def config_differences(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> list[str]:
-    """Fields whose values differ between two configuration dicts, as readable lines (tuples equal lists)."""
+    """Fields whose values differ between two configuration dicts, as readable lines."""
     saved, current = saved or {}, current or {}
-    as_list = lambda value: list(value) if isinstance(value, tuple) else value
     return [f"{key}: {saved.get(key, '<absent>')!r} in the checkpoint, {current.get(key, '<absent>')!r} now"
             for key in sorted(set(saved) | set(current), key=str)
-            if as_list(saved.get(key, "<absent>")) != as_list(current.get(key, "<absent>"))]
+            if saved.get(key, "<absent>") != current.get(key, "<absent>")]
 
 
 # --------------------------------------------------------------------------- random number generators
 def capture_rng_state() -> dict[str, Any]:
     """The global random states: Python, NumPy, torch CPU, every CUDA device and MPS (where present).
 
-    NumPy's state holds an ndarray, which ``weights_only=True`` refuses: its 624 key words are stored as a list.
+    NumPy's state holds an ndarray, which ``weights_only=True`` refuses: its 624 key words are stored as a list,
+    which ``np.random.set_state`` takes back as it is.
     """
     algorithm, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     return {
@@ -198,51 +196,38 @@ def capture_rng_state() -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class RngState:
-    """The global random states, each in the form its library's setter takes, tried on a private generator."""
+def rng_state_problems(saved: Any, *, this_machine: bool) -> list[str]:
+    """Why ``saved`` (``capture_rng_state``'s dict) would not restore; empty when it would.
 
-    python: tuple
-    numpy: tuple
-    torch_cpu: torch.Tensor
-    torch_cuda: list[torch.Tensor]  # one per CUDA device of the saving machine; [] without CUDA
-    torch_mps: torch.Tensor | None
+    Each CPU state is tried on a private generator, so each library checks its own. With ``this_machine``,
+    the device states also need what they were taken on: as many CUDA devices, an MPS device.
+    """
+    try:
+        random.Random().setstate(saved["python"])
+        np.random.RandomState().set_state(tuple(saved["numpy"]))
+        torch.Generator().set_state(saved["torch_cpu"])
+        cuda, mps = list(saved["torch_cuda"]), saved["torch_mps"]
+    except Exception as error:  # noqa: BLE001 -- a wrong type, length or value: each library raises its own
+        return [f"rng: not restorable ({type(error).__name__}: {error})"]
+    if not all(isinstance(state, torch.Tensor) for state in [*cuda, mps] if state is not None):
+        return ["rng: the CUDA and MPS states must be tensors"]
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    problems = [f"rng['torch_cuda']: states for {len(cuda)} CUDA devices in the file, {here} here"
+                ] if this_machine and cuda and len(cuda) != here else []
+    if this_machine and mps is not None and not torch.backends.mps.is_available():
+        problems.append("rng['torch_mps']: an MPS state in the file, no MPS device here")
+    return problems
 
-    @classmethod
-    def parse(cls, saved: Any) -> RngState:
-        """Read ``capture_rng_state``'s dict; a ``ValueError`` names the generator whose state does not restore."""
-        try:
-            algorithm, keys, *rest = saved["numpy"]
-            state = cls(python=tuple(saved["python"]), numpy=(algorithm, np.array(keys, dtype=np.uint32), *rest),
-                        torch_cpu=saved["torch_cpu"], torch_cuda=list(saved["torch_cuda"]),
-                        torch_mps=saved["torch_mps"])
-            for name, setter in (("python", random.Random().setstate), ("numpy", np.random.RandomState().set_state),
-                                 ("torch_cpu", torch.Generator().set_state)):
-                setter(getattr(state, name))
-        except Exception as error:  # noqa: BLE001 -- a wrong type, length or value: each library raises its own
-            raise ValueError(f"rng: not restorable ({type(error).__name__}: {error})") from error
-        if not all(isinstance(s, torch.Tensor) for s in [*state.torch_cuda, state.torch_mps] if s is not None):
-            raise ValueError("rng: the CUDA and MPS states must be tensors")
-        return state
 
-    def problems_here(self) -> list[str]:
-        """What this machine lacks to restore the device states: as many CUDA devices, an MPS device."""
-        here = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        problems = [f"rng['torch_cuda']: states for {len(self.torch_cuda)} CUDA devices in the file, {here} here"
-                    ] if self.torch_cuda and len(self.torch_cuda) != here else []
-        if self.torch_mps is not None and not torch.backends.mps.is_available():
-            problems.append("rng['torch_mps']: an MPS state in the file, no MPS device here")
-        return problems
-
-    def restore(self) -> None:
-        """Set every global generator; with ``problems_here()`` empty, none of them fails."""
-        random.setstate(self.python)
-        np.random.set_state(self.numpy)
-        torch.set_rng_state(self.torch_cpu)
-        if self.torch_cuda:
-            torch.cuda.set_rng_state_all(self.torch_cuda)
-        if self.torch_mps is not None:
-            torch.mps.set_rng_state(self.torch_mps)
+def restore_rng_state(saved: Mapping[str, Any]) -> None:
+    """Set every global generator from ``capture_rng_state``'s dict; with no ``rng_state_problems``, none fails."""
+    random.setstate(saved["python"])
+    np.random.set_state(tuple(saved["numpy"]))
+    torch.set_rng_state(saved["torch_cpu"])
+    if saved["torch_cuda"]:
+        torch.cuda.set_rng_state_all(saved["torch_cuda"])
+    if saved["torch_mps"] is not None:
+        torch.mps.set_rng_state(saved["torch_mps"])
 
 
 # --------------------------------------------------------------------------- training checkpoints
@@ -299,9 +284,13 @@ class TrainingCheckpoint:
 
     path: Path
     trainer: dict[str, Any]  # Trainer.state_dict(); the trainer parses it against itself (its layout, shapes)
-    rng: RngState
+    rng: dict[str, Any]  # capture_rng_state()'s dict, checked to restore (rng_state_problems)
     data: dict[str, Any] | None  # the data stream's state_dict: pass it to the stream's load_state_dict
     model_config: dict[str, Any] | None
+
+    def config_changes(self, train_config: Any) -> list[str]:
+        """How ``train_config`` (a ``TrainConfig``) differs from the one saved: what a resumed run changes."""
+        return config_differences(self.trainer.get("config"), config_as_dict(train_config))
 
 
 def read_training_checkpoint(path: str | Path) -> TrainingCheckpoint:
@@ -315,37 +304,25 @@ def read_training_checkpoint(path: str | Path) -> TrainingCheckpoint:
     problems = [f"{key!r}: {type(state.get(key)).__name__}, expected a dict" for key, kinds in
                 (("trainer", dict), ("data", (dict, type(None))), ("model_config", (dict, type(None))))
                 if not isinstance(state.get(key), kinds)]
-    try:
-        rng = RngState.parse(state.get("rng"))
-    except ValueError as error:
-        problems.append(str(error))
+    problems += rng_state_problems(state.get("rng"), this_machine=False)
     _refuse(problems, f"{path}: not a usable training checkpoint; nothing was loaded")
-    return TrainingCheckpoint(path=path, trainer=state["trainer"], rng=rng, data=state["data"],
+    return TrainingCheckpoint(path=path, trainer=state["trainer"], rng=state["rng"], data=state["data"],
                               model_config=state["model_config"])
 
 
-@dataclass
-class Resumed:
-    """What ``load_training_checkpoint`` restored that the caller itself must use."""
-
-    path: Path
-    step: int  # the number of optimizer steps already taken
-    data_state: dict[str, Any] | None  # pass to the data stream's load_state_dict
-    train_config_changes: list[str] = field(default_factory=list)  # the trainer applies the new config
-
-
 def load_training_checkpoint(path: str | Path, trainer: Any, *, model_config: Any = None,
-                             restore_rng: bool = True) -> Resumed:
-    """Restore a run from ``path`` into ``trainer`` (and the global generators); return the step and data position.
+                             restore_rng: bool = True) -> TrainingCheckpoint:
+    """Restore a run from ``path`` into ``trainer`` (and the global generators); return what was read.
 
     Parse, then apply: the file (``read_training_checkpoint``), the model configuration (a different
     one is refused: the weights would not mean the same thing) and the RNG states are checked first,
     then ``trainer.load_state_dict`` parses its own state before it changes anything; the generators
-    are set last, which cannot fail. A changed training configuration (say a new learning rate) is
-    applied by the trainer and listed in ``Resumed.train_config_changes``.
+    are set last, which cannot fail. The caller restores its data position from the returned ``data``.
+    A changed training configuration (say a new learning rate) is applied by the trainer and listed by
+    the returned checkpoint's ``config_changes(trainer.config)``.
     """
     checkpoint = read_training_checkpoint(path)
-    problems = checkpoint.rng.problems_here() if restore_rng else []
+    problems = rng_state_problems(checkpoint.rng, this_machine=True) if restore_rng else []
     if model_config is not None:
         problems += [f"model configuration: {line}"
                      for line in config_differences(checkpoint.model_config, config_as_dict(model_config))]
@@ -355,8 +332,5 @@ def load_training_checkpoint(path: str | Path, trainer: Any, *, model_config: An
     except ValueError as error:  # the trainer refused before changing anything
         raise CheckpointError(f"{checkpoint.path}: cannot be restored; nothing was loaded:\n  {error}") from error
     if restore_rng:
-        checkpoint.rng.restore()
-    current = getattr(trainer, "config", None)
-    return Resumed(path=checkpoint.path, step=checkpoint.trainer["step"], data_state=checkpoint.data,
-                   train_config_changes=config_differences(checkpoint.trainer.get("config"), config_as_dict(current))
-                   if current is not None else [])
+        restore_rng_state(checkpoint.rng)
+    return checkpoint
