@@ -270,7 +270,7 @@ def test_save_refuses_container_subclasses_that_weights_only_refuses(tmp_path):
 def test_rng_state_round_trip_repeats_every_generator():
     state = ckpt.capture_rng_state()
     first = (random.random(), np.random.rand(), torch.rand(3))
-    assert ckpt.rng_state_problems(state, this_machine=True) == []
+    assert ckpt.rng_state_problems(state) == ckpt.rng_device_problems(state) == []
     ckpt.restore_rng_state(state)
     again = (random.random(), np.random.rand(), torch.rand(3))
     assert first[0] == again[0] and first[1] == again[1] and torch.equal(first[2], again[2])
@@ -443,8 +443,8 @@ def test_cuda_rng_states_on_a_machine_without_cuda_are_refused_before_loading(tm
 def test_an_mps_rng_state_on_a_machine_without_mps_is_refused():
     state = ckpt.capture_rng_state()
     state["torch_mps"] = torch.zeros(16, dtype=torch.uint8)
-    assert ckpt.rng_state_problems(state, this_machine=False) == []  # the file itself is fine
-    assert ckpt.rng_state_problems(state, this_machine=True) == [
+    assert ckpt.rng_state_problems(state) == []  # the states themselves are fine
+    assert ckpt.rng_device_problems(state) == [
         "rng['torch_mps']: an MPS state in the file, no MPS device here"]
 
 
@@ -453,7 +453,7 @@ def test_a_bad_rng_state_is_found_by_checking_before_any_generator_changes():
     state["torch_cpu"] = torch.zeros(3, dtype=torch.uint8)  # torch's generator would refuse it last
     random.seed(1)
     expected = random.getstate()
-    problems = ckpt.rng_state_problems(state, this_machine=False)
+    problems = ckpt.rng_state_problems(state)
     assert len(problems) == 1 and problems[0].startswith("rng: not restorable"), problems
     assert random.getstate() == expected  # Python's generator, restored first otherwise, is untouched
 

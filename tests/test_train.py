@@ -213,6 +213,12 @@ def test_add_val_loss_writes_the_pending_row_and_adds_the_validation_loss():
     assert model.training, "add_val_loss must leave the model in training mode"
 
 
+def test_add_val_loss_before_any_step_names_the_problem():
+    trainer = Trainer(make_model(), config(), CPU)
+    with pytest.raises(ValueError, match=r"add_val_loss: no step has been taken"):
+        trainer.add_val_loss([token_batch(2, seed=50)])
+
+
 class PoisonedLM(TinyLM):
     """TinyLM whose logits become NaN from its n-th training forward pass on."""
 

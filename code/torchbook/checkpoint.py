@@ -196,11 +196,11 @@ def capture_rng_state() -> dict[str, Any]:
     }
 
 
-def rng_state_problems(saved: Any, *, this_machine: bool) -> list[str]:
-    """Why ``saved`` (``capture_rng_state``'s dict) would not restore; empty when it would.
+def rng_state_problems(saved: Any) -> list[str]:
+    """Why ``saved`` (``capture_rng_state``'s dict) is not a set of random states; empty when it is.
 
-    Each CPU state is tried on a private generator, so each library checks its own. With ``this_machine``,
-    the device states also need what they were taken on: as many CUDA devices, an MPS device.
+    Each CPU state is tried on a private generator, so each library checks its own; the device states
+    must be tensors. Whether this machine has their devices is ``rng_device_problems``'s question.
     """
     try:
         random.Random().setstate(saved["python"])
@@ -211,16 +211,21 @@ def rng_state_problems(saved: Any, *, this_machine: bool) -> list[str]:
         return [f"rng: not restorable ({type(error).__name__}: {error})"]
     if not all(isinstance(state, torch.Tensor) for state in [*cuda, mps] if state is not None):
         return ["rng: the CUDA and MPS states must be tensors"]
-    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return []
+
+
+def rng_device_problems(saved: Mapping[str, Any]) -> list[str]:
+    """What this machine lacks to restore the device states of a checked ``saved``: CUDA devices, an MPS device."""
+    cuda, here = saved["torch_cuda"], torch.cuda.device_count() if torch.cuda.is_available() else 0
     problems = [f"rng['torch_cuda']: states for {len(cuda)} CUDA devices in the file, {here} here"
-                ] if this_machine and cuda and len(cuda) != here else []
-    if this_machine and mps is not None and not torch.backends.mps.is_available():
+                ] if cuda and len(cuda) != here else []
+    if saved["torch_mps"] is not None and not torch.backends.mps.is_available():
         problems.append("rng['torch_mps']: an MPS state in the file, no MPS device here")
     return problems
 
 
 def restore_rng_state(saved: Mapping[str, Any]) -> None:
-    """Set every global generator from ``capture_rng_state``'s dict; with no ``rng_state_problems``, none fails."""
+    """Set every global generator from ``capture_rng_state``'s dict; with neither kind of problem, none fails."""
     random.setstate(saved["python"])
     np.random.set_state(tuple(saved["numpy"]))
     torch.set_rng_state(saved["torch_cpu"])
@@ -284,7 +289,7 @@ class TrainingCheckpoint:
 
     path: Path
     trainer: dict[str, Any]  # Trainer.state_dict(); the trainer parses it against itself (its layout, shapes)
-    rng: dict[str, Any]  # capture_rng_state()'s dict, checked to restore (rng_state_problems)
+    rng: dict[str, Any]  # capture_rng_state()'s dict, checked by rng_state_problems
     data: dict[str, Any] | None  # the data stream's state_dict: pass it to the stream's load_state_dict
     model_config: dict[str, Any] | None
 
@@ -304,7 +309,7 @@ def read_training_checkpoint(path: str | Path) -> TrainingCheckpoint:
     problems = [f"{key!r}: {type(state.get(key)).__name__}, expected a dict" for key, kinds in
                 (("trainer", dict), ("data", (dict, type(None))), ("model_config", (dict, type(None))))
                 if not isinstance(state.get(key), kinds)]
-    problems += rng_state_problems(state.get("rng"), this_machine=False)
+    problems += rng_state_problems(state.get("rng"))
     _refuse(problems, f"{path}: not a usable training checkpoint; nothing was loaded")
     return TrainingCheckpoint(path=path, trainer=state["trainer"], rng=state["rng"], data=state["data"],
                               model_config=state["model_config"])
@@ -322,7 +327,7 @@ def load_training_checkpoint(path: str | Path, trainer: Any, *, model_config: An
     the returned checkpoint's ``config_changes(trainer.config)``.
     """
     checkpoint = read_training_checkpoint(path)
-    problems = rng_state_problems(checkpoint.rng, this_machine=True) if restore_rng else []
+    problems = rng_device_problems(checkpoint.rng) if restore_rng else []
     if model_config is not None:
         problems += [f"model configuration: {line}"
                      for line in config_differences(checkpoint.model_config, config_as_dict(model_config))]

@@ -320,7 +320,8 @@ class Trainer:
 
         The evaluation's time is left out of the next row's ``tokens_per_second``.
         """
-        self.log()
+        if self.log() is None and not self.history:
+            raise ValueError("Trainer.add_val_loss: no step has been taken, so there is no history row to add to")
         val_loss = evaluate(self.model, val_batches, self.device, self.config.precision)
         self.history[-1]["val_loss"] = val_loss
         self._interval_started = time.perf_counter()
