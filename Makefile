@@ -29,9 +29,12 @@ $(STAMP): pyproject.toml
 
 # Fetch and verify MNIST and Tiny Shakespeare (only checks them when BOOK_DATA_DIR is set).
 data: $(STAMP)
-	$(PY) -m torchbook.cache
+	$(PY) -m torchbook.download
 
+# The formatter and linter first (pyproject.toml, [tool.ruff]): a second of work.
 test: data
+	$(PY) -m ruff format --check --quiet .
+	$(PY) -m ruff check --quiet .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 book: data

@@ -8,10 +8,33 @@ chapter kernels and the subprocesses that tests start inherit this. On a
 machine whose cores other jobs also use, two OpenMP threads per process spin
 waiting for each other and a chapter takes several times longer; one thread
 costs little on an idle 2-core machine and makes the timings predictable.
+
+Tests also run as a reader's laptop does (EMULATE_AVX2): most readers' CPUs
+have AVX2 and no bf16 instructions, where a bf16 matmul is about ten times
+slower than float32. A CPU with AVX512-BF16 or AMX would hide a chapter that
+takes minutes there, so ATen's kernels and oneDNN's are capped at AVX2.
+``python bench/cpu_bf16.py`` shows the effect side by side. Set
+``BOOK_NATIVE_CPU=1`` to run on the CPU's full instruction set.
 """
 
 import os
 
+import pytest
+
+EMULATE_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+if not os.environ.get("BOOK_NATIVE_CPU"):
+    for key, value in EMULATE_AVX2.items():
+        os.environ.setdefault(key, value)
 
 pytest_plugins = ["tests.chapter_harness"]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """The CPU capability the chapters run with, first thing in the test log."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    settings = ", ".join(f"{key}={os.environ.get(key)}" for key in EMULATE_AVX2)
+    return f"torch {torch.__version__}, CPU capability {capability} ({settings})"

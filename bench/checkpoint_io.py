@@ -44,7 +44,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from torchbook.cache import cache_dir
+from torchbook.download import cache_dir
 from torchbook.files import atomic_write
 from torchbook.models import GPT, GPTConfig, count_parameters
 from torchbook.weights import drop_shared, read_safetensors, save_safetensors
@@ -59,9 +59,20 @@ SAFETENSORS_SAVE = "safetensors save (atomic, fsync'd)"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+_libc.mincore.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.POINTER(ctypes.c_ubyte),
+]
 
 
 def resident_fraction(path: Path) -> float:
@@ -96,8 +107,11 @@ def drop_from_page_cache(path: Path) -> float:
     return resident_fraction(path)
 
 
-def best_of_interleaved(actions: dict[str, Callable[[], object]], rounds: int,
-                        before: Callable[[str], object] | None = None) -> dict[str, float]:
+def best_of_interleaved(
+    actions: dict[str, Callable[[], object]],
+    rounds: int,
+    before: Callable[[str], object] | None = None,
+) -> dict[str, float]:
     """Best wall time of each action over ``rounds`` rounds that run every action once, in turn.
 
     ``before(name)`` runs untimed ahead of each timed run (to drop a file from the page cache).
@@ -138,51 +152,84 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                          n_head=args.n_head, d_model=args.d_model))
+    model = GPT(
+        GPTConfig(
+            vocab_size=args.vocab_size,
+            block_size=args.block_size,
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            d_model=args.d_model,
+        )
+    )
     parameters = count_parameters(model)
     if parameters < MIN_PARAMETERS:
-        print(f"note: {parameters:,} parameters, below the {MIN_PARAMETERS:,} the benchmark is meant for")
+        print(
+            f"note: {parameters:,} parameters, below the {MIN_PARAMETERS:,} the benchmark is meant for"
+        )
     state_dict = model.state_dict()
     tensors, _ = drop_shared(state_dict)
     tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
     folder = Path(tempfile.mkdtemp(prefix="checkpoint_io_", dir=cache_dir()))
-    torch_path, safetensors_path, plain_path = folder / "model.pt", folder / "model.safetensors", folder / "plain.bin"
-    print(f"torch {torch.__version__}, safetensors {safetensors.__version__}, {platform.platform()}, "
-          f"{os.cpu_count()} CPUs; files in {folder}")
-    print(f"model: GPT {args.n_layer} layers x {args.d_model}, {parameters:,} parameters, "
-          f"{tensor_bytes / GB:.3f} GB of float32 tensors (tied head stored once)")
+    torch_path, safetensors_path, plain_path = (
+        folder / "model.pt",
+        folder / "model.safetensors",
+        folder / "plain.bin",
+    )
+    print(
+        f"torch {torch.__version__}, safetensors {safetensors.__version__}, {platform.platform()}, "
+        f"{os.cpu_count()} CPUs; files in {folder}"
+    )
+    print(
+        f"model: GPT {args.n_layer} layers x {args.d_model}, {parameters:,} parameters, "
+        f"{tensor_bytes / GB:.3f} GB of float32 tensors (tied head stored once)"
+    )
 
     payload = memoryview(os.urandom(tensor_bytes))
     results: dict[str, float] = {}
     try:
         saves = {
             DISK: lambda: write_plain(plain_path, payload),
-            TORCH_SAVE: lambda: atomic_write(torch_path, lambda temporary: torch.save(state_dict, temporary)),
+            TORCH_SAVE: lambda: atomic_write(
+                torch_path, lambda temporary: torch.save(state_dict, temporary)
+            ),
             SAFETENSORS_SAVE: lambda: save_safetensors(state_dict, safetensors_path),
         }
         for name, seconds in best_of_interleaved(saves, args.rounds).items():
             results[name] = tensor_bytes / seconds
         plain_path.unlink()
-        del payload
-        sizes = {"torch": torch_path.stat().st_size, "safetensors": safetensors_path.stat().st_size}
+        payload.release()  # frees the random bytes before the loads are timed
+        sizes = {
+            "torch": torch_path.stat().st_size,
+            "safetensors": safetensors_path.stat().st_size,
+        }
 
         # Every loader's tensors are touched once per page afterwards: a lazy (memory-mapped)
         # loader returns before reading, and its time would otherwise not include the disk.
         loads = {
             "torch.load(weights_only=True)": lambda: touch_pages(
-                torch.load(torch_path, map_location="cpu", weights_only=True)),
+                torch.load(torch_path, map_location="cpu", weights_only=True)
+            ),
             "torch.load(weights_only=True, mmap=True)": lambda: touch_pages(
-                torch.load(torch_path, map_location="cpu", weights_only=True, mmap=True)),
-            "safetensors load_file": lambda: touch_pages(safetensors.torch.load_file(safetensors_path)),
+                torch.load(torch_path, map_location="cpu", weights_only=True, mmap=True)
+            ),
+            "safetensors load_file": lambda: touch_pages(
+                safetensors.torch.load_file(safetensors_path)
+            ),
         }
-        files = {"torch.load(weights_only=True)": torch_path,
-                 "torch.load(weights_only=True, mmap=True)": torch_path,
-                 "safetensors load_file": safetensors_path}
+        files = {
+            "torch.load(weights_only=True)": torch_path,
+            "torch.load(weights_only=True, mmap=True)": torch_path,
+            "safetensors load_file": safetensors_path,
+        }
         fractions: dict[str, list[float]] = {name: [] for name in loads}
         cold = best_of_interleaved(
-            loads, args.rounds, before=lambda name: fractions[name].append(drop_from_page_cache(files[name])))
+            loads,
+            args.rounds,
+            before=lambda name: fractions[name].append(
+                drop_from_page_cache(files[name])
+            ),
+        )
         warm = best_of_interleaved(loads, args.rounds)
         still_cached: dict[str, float] = {}
         for name in loads:
@@ -191,25 +238,35 @@ def main() -> None:
             still_cached[name] = max(fractions[name])
             still_cached[f"{name} warm"] = resident_fraction(files[name])
         reloaded = read_safetensors(safetensors_path)
-        assert all(torch.equal(reloaded[n], t) for n, t in state_dict.items()), "safetensors round trip differs"
+        assert all(torch.equal(reloaded[n], t) for n, t in state_dict.items()), (
+            "safetensors round trip differs"
+        )
     finally:
         for path in folder.iterdir():
             path.unlink()
         folder.rmdir()
 
-    print(f"file sizes: torch.save {sizes['torch'] / GB:.3f} GB, safetensors {sizes['safetensors'] / GB:.3f} GB")
+    print(
+        f"file sizes: torch.save {sizes['torch'] / GB:.3f} GB, safetensors {sizes['safetensors'] / GB:.3f} GB"
+    )
     print(f"best of {args.rounds} interleaved rounds, GB/s of tensor data:")
     width = max(map(len, results))
     for name, bandwidth in results.items():
         print(f"  {name:<{width}}  {bandwidth / GB:6.2f} GB/s")
     for name, fraction in still_cached.items():
         if name.endswith(" warm"):
-            print(f"  page cache: {fraction:.0%} of the file resident after the warm {name[:-5]} loads")
+            print(
+                f"  page cache: {fraction:.0%} of the file resident after the warm {name[:-5]} loads"
+            )
         else:
-            print(f"  page cache: at most {fraction:.0%} of the file resident before each cold {name} load")
+            print(
+                f"  page cache: at most {fraction:.0%} of the file resident before each cold {name} load"
+            )
     disk = results[DISK]
     print(f"torch.save / disk write bandwidth: {results[TORCH_SAVE] / disk:.2f}")
-    print(f"safetensors save / disk write bandwidth: {results[SAFETENSORS_SAVE] / disk:.2f}")
+    print(
+        f"safetensors save / disk write bandwidth: {results[SAFETENSORS_SAVE] / disk:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from torchbook.models import GPT, GPTConfig, TinyMLP
 from torchbook.optim import build_optimizer
-from torchbook.train import Trainer, TrainConfig
+from torchbook.train import TrainConfig, Trainer
 
 # Large enough that one step takes tens of milliseconds on 2 CPU cores, so
 # timer resolution and Python noise are small against it.
@@ -47,14 +47,27 @@ LOG_EVERY = 10
 def make_batches(steps: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     shape = (BATCH_SIZE, MODEL.block_size)
-    return [(torch.randint(0, MODEL.vocab_size, shape, generator=generator),
-             torch.randint(0, MODEL.vocab_size, shape, generator=generator)) for _ in range(steps)]
+    return [
+        (
+            torch.randint(0, MODEL.vocab_size, shape, generator=generator),
+            torch.randint(0, MODEL.vocab_size, shape, generator=generator),
+        )
+        for _ in range(steps)
+    ]
 
 
 def bench_config(steps: int) -> TrainConfig:
-    return TrainConfig(max_steps=steps, lr=LR, min_lr=LR / 10, warmup_steps=0,
-                       weight_decay=WEIGHT_DECAY, betas=BETAS, max_grad_norm=MAX_GRAD_NORM,
-                       precision="fp32", log_every=LOG_EVERY)
+    return TrainConfig(
+        max_steps=steps,
+        lr=LR,
+        min_lr=LR / 10,
+        warmup_steps=0,
+        weight_decay=WEIGHT_DECAY,
+        betas=BETAS,
+        max_grad_norm=MAX_GRAD_NORM,
+        precision="fp32",
+        log_every=LOG_EVERY,
+    )
 
 
 def run_book(model: GPT, batches, device: torch.device) -> tuple[float, float]:
@@ -67,7 +80,8 @@ def run_book(model: GPT, batches, device: torch.device) -> tuple[float, float]:
 
 
 def run_hand_written(model: GPT, batches, device: torch.device) -> tuple[float, float]:
-    optimizer, _ = build_optimizer(model, bench_config(len(batches)), device)  # constant rate: no schedule
+    # constant rate: no schedule
+    optimizer, _ = build_optimizer(model, bench_config(len(batches)), device)
     started, cpu_started = time.perf_counter(), time.process_time()
     model.train()
     for x, y in batches:
@@ -83,14 +97,21 @@ def run_hand_written(model: GPT, batches, device: torch.device) -> tuple[float, 
     return time.perf_counter() - started, time.process_time() - cpu_started
 
 
-def fixed_cost_per_step(device: torch.device, steps: int = 300, repeats: int = 5) -> tuple[float, float]:
+def fixed_cost_per_step(
+    device: torch.device, steps: int = 300, repeats: int = 5
+) -> tuple[float, float]:
     """Seconds per step of both loops on the seed's TinyMLP, where compute is tiny and bookkeeping shows.
 
     Best of ``repeats`` (the minimum is the least disturbed by other processes).
     """
     generator = torch.Generator().manual_seed(2)
-    batches = [(torch.randn(32, 64, generator=generator), torch.randint(0, 10, (32,), generator=generator))
-               for _ in range(steps)]
+    batches = [
+        (
+            torch.randn(32, 64, generator=generator),
+            torch.randint(0, 10, (32,), generator=generator),
+        )
+        for _ in range(steps)
+    ]
     book, hand = [], []
     for _ in range(repeats):
         torch.manual_seed(0)
@@ -103,7 +124,9 @@ def fixed_cost_per_step(device: torch.device, steps: int = 300, repeats: int = 5
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
-    parser.add_argument("--pairs", type=int, default=21, help="timed (book, hand-written) pairs")
+    parser.add_argument(
+        "--pairs", type=int, default=21, help="timed (book, hand-written) pairs"
+    )
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -117,7 +140,8 @@ def main() -> None:
         model.load_state_dict(copy.deepcopy(initial))
         return model
 
-    run_book(fresh_model(), batches[:5], device)  # warm-up: allocator, kernels, first-call costs
+    # warm-up: allocator, kernels, first-call costs
+    run_book(fresh_model(), batches[:5], device)
     run_hand_written(fresh_model(), batches[:5], device)
 
     book_times, hand_times, ratios, cpu_ratios = [], [], [], []
@@ -126,24 +150,37 @@ def main() -> None:
         order = [("book", run_book), ("hand", run_hand_written)]
         if pair % 2:
             order.reverse()
-        measured = {name: runner(fresh_model(), batches, device) for name, runner in order}
-        (book_wall, book_cpu), (hand_wall, hand_cpu) = measured["book"], measured["hand"]
+        measured = {
+            name: runner(fresh_model(), batches, device) for name, runner in order
+        }
+        (book_wall, book_cpu), (hand_wall, hand_cpu) = (
+            measured["book"],
+            measured["hand"],
+        )
         book_times.append(book_wall)
         hand_times.append(hand_wall)
         ratios.append(book_wall / hand_wall)
         cpu_ratios.append(book_cpu / hand_cpu)
-        print(f"pair {pair + 1:2d}: book {book_wall * 1e3 / args.steps:6.1f} ms/step, "
-              f"hand-written {hand_wall * 1e3 / args.steps:6.1f} ms/step, "
-              f"wall ratio {ratios[-1]:.3f}, cpu-time ratio {cpu_ratios[-1]:.3f}")
+        print(
+            f"pair {pair + 1:2d}: book {book_wall * 1e3 / args.steps:6.1f} ms/step, "
+            f"hand-written {hand_wall * 1e3 / args.steps:6.1f} ms/step, "
+            f"wall ratio {ratios[-1]:.3f}, cpu-time ratio {cpu_ratios[-1]:.3f}"
+        )
 
-    print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{args.steps} steps per run, {args.pairs} pairs")
-    print(f"median ms/step: book {statistics.median(book_times) * 1e3 / args.steps:.1f}, "
-          f"hand-written {statistics.median(hand_times) * 1e3 / args.steps:.1f}")
+    print(
+        f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{args.steps} steps per run, {args.pairs} pairs"
+    )
+    print(
+        f"median ms/step: book {statistics.median(book_times) * 1e3 / args.steps:.1f}, "
+        f"hand-written {statistics.median(hand_times) * 1e3 / args.steps:.1f}"
+    )
     print(f"median cpu-time ratio: {statistics.median(cpu_ratios):.3f}")
     book_fixed, hand_fixed = fixed_cost_per_step(device)
-    print(f"fixed cost on TinyMLP: book {book_fixed * 1e6:.0f} us/step, hand-written {hand_fixed * 1e6:.0f} us/step "
-          f"(+{(book_fixed - hand_fixed) * 1e6:.0f} us of bookkeeping per step)")
+    print(
+        f"fixed cost on TinyMLP: book {book_fixed * 1e6:.0f} us/step, hand-written {hand_fixed * 1e6:.0f} us/step "
+        f"(+{(book_fixed - hand_fixed) * 1e6:.0f} us of bookkeeping per step)"
+    )
     print(f"loop overhead ratio: {statistics.median(ratios):.3f}")
 
 

@@ -39,21 +39,29 @@ MODELS = ((2, 4, 64), (4, 4, 128))  # (n_layer, n_head, d_model)
 SHAPES = ((8, 128), (2, 512))  # (batch, sequence length)
 
 
-def measure(config: GPTConfig, shape: TrainingShape, device: torch.device) -> tuple[int, int]:
+def measure(
+    config: GPTConfig, shape: TrainingShape, device: torch.device
+) -> tuple[int, int]:
     """Measured saved-activation bytes and peak bytes of one steady training step."""
     torch.manual_seed(0)
     model = GPT(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    idx = torch.randint(0, config.vocab_size, (shape.batch_size, shape.seq_len), device=device)
+    idx = torch.randint(
+        0, config.vocab_size, (shape.batch_size, shape.seq_len), device=device
+    )
     targets = idx.roll(-1, dims=1)
 
     def step() -> None:
         training_step(model, optimizer, idx, targets, shape.precision)
 
     step()  # AdamW creates its states in the first step
-    saved = saved_activation_bytes(model, lambda: training_loss(model, idx, targets, shape.precision))
+    saved = saved_activation_bytes(
+        model, lambda: training_loss(model, idx, targets, shape.precision)
+    )
     states = state_bytes(model, optimizer)
-    return saved, states["parameters"] + states["optimizer_states"] + peak_bytes(step, device)
+    return saved, states["parameters"] + states["optimizer_states"] + peak_bytes(
+        step, device
+    )
 
 
 def main() -> int:
@@ -62,20 +70,42 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(1)
-    print(f"{'layers':>6s}{'width':>6s}{'batch':>6s}{'tokens':>7s}{'prec':>6s}{'ckpt':>5s}{'drop':>5s}"
-          f" | {'activations MB pred / meas':>27s}{'err':>7s} | {'peak MB pred / meas':>20s}{'err':>7s}")
+    print(
+        f"{'layers':>6s}{'width':>6s}{'batch':>6s}{'tokens':>7s}{'prec':>6s}{'ckpt':>5s}{'drop':>5s}"
+        f" | {'activations MB pred / meas':>27s}{'err':>7s} | {'peak MB pred / meas':>20s}{'err':>7s}"
+    )
     errors = []
-    for (layers, heads, width), (batch, steps), precision, checkpointing, dropout in itertools.product(
-            MODELS, SHAPES, ("fp32", "bf16"), (False, True), (0.0, 0.1)):
-        config = GPTConfig(VOCAB_SIZE, steps, layers, heads, width, dropout, activation_checkpointing=checkpointing)
-        shape = TrainingShape(batch, steps, precision, checkpointing, device_type=device.type)
+    for (layers, heads, width), (
+        batch,
+        steps,
+    ), precision, checkpointing, dropout in itertools.product(
+        MODELS, SHAPES, ("fp32", "bf16"), (False, True), (0.0, 0.1)
+    ):
+        config = GPTConfig(
+            VOCAB_SIZE,
+            steps,
+            layers,
+            heads,
+            width,
+            dropout,
+            activation_checkpointing=checkpointing,
+        )
+        shape = TrainingShape(
+            batch, steps, precision, checkpointing, device_type=device.type
+        )
         saved, peak = measure(config, shape, device)
-        predicted_saved, predicted_peak = predict_memory(config, shape).activations, predict_peak(config, shape)
+        predicted_saved, predicted_peak = (
+            predict_memory(config, shape).activations,
+            predict_peak(config, shape),
+        )
         saved_error, peak_error = predicted_saved / saved - 1, predicted_peak / peak - 1
         errors += [abs(saved_error), abs(peak_error)]
-        print(f"{layers:>6d}{width:>6d}{batch:>6d}{steps:>7d}{precision:>6s}{'yes' if checkpointing else 'no':>5s}"
-              f"{dropout:>5.1f} | {predicted_saved / 1e6:>13.2f} / {saved / 1e6:>10.2f}{saved_error:>+7.1%}"
-              f" | {predicted_peak / 1e6:>9.2f} / {peak / 1e6:>8.2f}{peak_error:>+7.1%}", flush=True)
+        print(
+            f"{layers:>6d}{width:>6d}{batch:>6d}{steps:>7d}{precision:>6s}{'yes' if checkpointing else 'no':>5s}"
+            f"{dropout:>5.1f} | {predicted_saved / 1e6:>13.2f} / {saved / 1e6:>10.2f}{saved_error:>+7.1%}"
+            f" | {predicted_peak / 1e6:>9.2f} / {peak / 1e6:>8.2f}{peak_error:>+7.1%}",
+            flush=True,
+        )
     worst = max(errors)
     print(f"largest memory prediction error: {worst:.1%}")
     return 0 if worst <= MAX_ERROR else 1

@@ -21,19 +21,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
-
 import importlib.util
 import math
+import statistics
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from torchbook import lab
+from torchbook.device import synchronize
 from torchbook.mnist import resident_batches
-from torchbook.profiles import make_profile, synchronize
+from torchbook.profiles import make_profile
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpu_results.py"
 _spec = importlib.util.spec_from_file_location("gpu_results", SCRIPT)
@@ -52,24 +52,37 @@ def run_lab(data: lab.MnistTensors, profile) -> tuple[float, float, float]:
     started, cpu_started = time.perf_counter(), time.process_time()
     _, history = gpu_results.lab_run(data, sizes, profile)
     synchronize(profile.device)
-    return time.perf_counter() - started, time.process_time() - cpu_started, history["epoch_accuracy"][-1]
+    return (
+        time.perf_counter() - started,
+        time.process_time() - cpu_started,
+        history["epoch_accuracy"][-1],
+    )
 
 
 def run_bare(data: lab.MnistTensors, profile) -> tuple[float, float, float]:
     """The same epoch as a bare loop: forward, mean loss, backward, step, schedule, zero."""
     sizes = profile.lab
     model = lab.fresh_model(sizes.hidden, profile.seed, profile.device)
-    optimizer, scheduler = gpu_results.lab_optimizer("adamw", model, sizes, steps_per_epoch(data, sizes.batch_size))
+    optimizer, scheduler = gpu_results.lab_optimizer(
+        "adamw", model, sizes, steps_per_epoch(data, sizes.batch_size)
+    )
     synchronize(profile.device)
     started, cpu_started = time.perf_counter(), time.process_time()
     generator = torch.Generator().manual_seed(profile.seed)
-    for images, labels in resident_batches(data.train_images, data.train_labels, sizes.batch_size, generator):
+    for images, labels in resident_batches(
+        data.train_images, data.train_labels, sizes.batch_size, generator
+    ):
         F.cross_entropy(model(images), labels).backward()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
     with torch.no_grad():
-        accuracy = (model(data.test_images).argmax(1) == data.test_labels).float().mean().item()
+        accuracy = (
+            (model(data.test_images).argmax(1) == data.test_labels)
+            .float()
+            .mean()
+            .item()
+        )
     synchronize(profile.device)
     return time.perf_counter() - started, time.process_time() - cpu_started, accuracy
 
@@ -81,18 +94,29 @@ def main() -> None:
     args = parser.parse_args()
     profile = make_profile(args.profile)
     data = lab.load_data(profile.device)
-    run_lab(data, profile), run_bare(data, profile)  # warm-up: allocator, kernels, page cache
+    # warm-up: allocator, kernels, page cache
+    (
+        run_lab(data, profile),
+        run_bare(data, profile),
+    )
     ratios, cpu_ratios = [], []
     for pair in range(args.pairs):
         order = (run_lab, run_bare) if pair % 2 == 0 else (run_bare, run_lab)
         results = {run.__name__: run(data, profile) for run in order}
-        (lab_s, lab_cpu, lab_acc), (bare_s, bare_cpu, bare_acc) = results["run_lab"], results["run_bare"]
+        (lab_s, lab_cpu, lab_acc), (bare_s, bare_cpu, bare_acc) = (
+            results["run_lab"],
+            results["run_bare"],
+        )
         ratios.append(lab_s / bare_s)
         cpu_ratios.append(lab_cpu / bare_cpu)
-        print(f"pair {pair + 1}: lab {lab_s:.2f} s ({lab_acc:.2%}), bare {bare_s:.2f} s ({bare_acc:.2%}), "
-              f"ratio {ratios[-1]:.3f}; CPU-time ratio {cpu_ratios[-1]:.3f}")
-    print(f"device {profile.device}, {torch.get_num_threads()} threads, "
-          f"{steps_per_epoch(data, profile.lab.batch_size)} steps per run")
+        print(
+            f"pair {pair + 1}: lab {lab_s:.2f} s ({lab_acc:.2%}), bare {bare_s:.2f} s ({bare_acc:.2%}), "
+            f"ratio {ratios[-1]:.3f}; CPU-time ratio {cpu_ratios[-1]:.3f}"
+        )
+    print(
+        f"device {profile.device}, {torch.get_num_threads()} threads, "
+        f"{steps_per_epoch(data, profile.lab.batch_size)} steps per run"
+    )
     print(f"median CPU-time ratio: {statistics.median(cpu_ratios):.3f}")
     print(f"lab training / bare loop time: {statistics.median(ratios):.3f}")
 

@@ -32,8 +32,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from torchbook.cache import cache_dir
-from torchbook.data import HEADER_BYTES, StreamConfig, TokenDataset, TokenStream, open_shard, write_shard
+from torchbook.data import (
+    HEADER_BYTES,
+    StreamConfig,
+    TokenDataset,
+    TokenStream,
+    open_shard,
+    write_shard,
+)
+from torchbook.download import cache_dir
 
 OUTPUT_BYTES_PER_TOKEN = 16  # int64 x and int64 y
 MIN_SPEEDUP = 50  # the stream over the list-based TokenDataset, at the default sizes (README's target)
@@ -47,8 +54,12 @@ def make_shard(folder: Path, num_tokens: int, vocab_size: int, seed: int) -> Pat
             return path
     except Exception:
         pass
-    ids = np.random.default_rng(seed).integers(0, vocab_size, num_tokens, dtype=np.int64)
-    return write_shard(path, ids, vocab_size=vocab_size, tokenizer=f"random ids, seed {seed}")
+    ids = np.random.default_rng(seed).integers(
+        0, vocab_size, num_tokens, dtype=np.int64
+    )
+    return write_shard(
+        path, ids, vocab_size=vocab_size, tokenizer=f"random ids, seed {seed}"
+    )
 
 
 def rate(batches, count: int) -> float:
@@ -67,30 +78,49 @@ def tutorial_batches(path: Path, block: int, batch: int, seed: int):
     """The tutorial version: a Python list, a map-style dataset, a shuffling DataLoader."""
     tokens = open_shard(path).tolist()
     dataset = TokenDataset(tokens, block)
-    return DataLoader(dataset, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    return DataLoader(
+        dataset,
+        batch_size=batch,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def get_batch_batches(path: Path, block: int, batch: int, seed: int):
     """nanoGPT-style get_batch: random offsets, one slice per row, stacked; the memmap reopened per batch as nanoGPT does."""
     generator = torch.Generator().manual_seed(seed)
     while True:
-        data = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES)  # the ids after the shard's header
+        # the ids after the shard's header
+        data = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES)
         starts = torch.randint(len(data) - block, (batch,), generator=generator)
-        x = torch.stack([torch.from_numpy(data[i : i + block].astype(np.int64)) for i in starts])
-        y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block].astype(np.int64)) for i in starts])
+        x = torch.stack(
+            [torch.from_numpy(data[i : i + block].astype(np.int64)) for i in starts]
+        )
+        y = torch.stack(
+            [
+                torch.from_numpy(data[i + 1 : i + 1 + block].astype(np.int64))
+                for i in starts
+            ]
+        )
         yield x, y
 
 
 def stream_batches(path: Path, block: int, batch: int, seed: int):
     """TokenStream through a DataLoader, as the training loop uses it (batch_size=None, no workers)."""
-    stream = TokenStream([path], StreamConfig(block_size=block, batch_size=batch, shuffle=True, seed=seed, epochs=None))
+    stream = TokenStream(
+        [path],
+        StreamConfig(
+            block_size=block, batch_size=batch, shuffle=True, seed=seed, epochs=None
+        ),
+    )
     return DataLoader(stream, batch_size=None)
 
 
 def copy_bandwidth(num_bytes: int, repeats: int) -> float:
     """Bytes per second of ``np.copyto`` between two buffers of ``num_bytes``, the destination pre-touched."""
     source = np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8)
-    destination = np.ones_like(source)  # every page touched, so no page faults are timed
+    # every page touched, so no page faults are timed
+    destination = np.ones_like(source)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -101,32 +131,58 @@ def copy_bandwidth(num_bytes: int, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16_000_000, help="tokens in the shard (uint16)")
+    parser.add_argument(
+        "--tokens", type=int, default=16_000_000, help="tokens in the shard (uint16)"
+    )
     parser.add_argument("--vocab-size", type=int, default=50_257)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--stream-batches", type=int, default=3_000)
     parser.add_argument("--get-batch-batches", type=int, default=600)
     parser.add_argument("--tutorial-batches", type=int, default=150)
-    parser.add_argument("--rounds", type=int, default=5, help="each method is timed this many times, interleaved; the best is kept")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="each method is timed this many times, interleaved; the best is kept",
+    )
     parser.add_argument("--seed", type=int, default=1337)
     args = parser.parse_args()
     torch.set_num_threads(1)  # loaders run on one core; the others train
 
     path = make_shard(cache_dir() / "bench", args.tokens, args.vocab_size, args.seed)
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}")
-    print(f"shard: {path} ({args.tokens:,} uint16 tokens, {path.stat().st_size / 1e6:.0f} MB)")
-    print(f"batches of {args.batch_size} x {args.block_size} int64 tokens, seeded-random order, "
-          f"best of {args.rounds} interleaved rounds (as timeit does: other load only ever slows a round down)")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}"
+    )
+    print(
+        f"shard: {path} ({args.tokens:,} uint16 tokens, {path.stat().st_size / 1e6:.0f} MB)"
+    )
+    print(
+        f"batches of {args.batch_size} x {args.block_size} int64 tokens, seeded-random order, "
+        f"best of {args.rounds} interleaved rounds (as timeit does: other load only ever slows a round down)"
+    )
 
     block, batch, seed = args.block_size, args.batch_size, args.seed
     methods = {
-        "list-based TokenDataset": (lambda: tutorial_batches(path, block, batch, seed), args.tutorial_batches),
-        "nanoGPT get_batch": (lambda: get_batch_batches(path, block, batch, seed), args.get_batch_batches),
-        "TokenStream": (lambda: stream_batches(path, block, batch, seed), args.stream_batches),
-        "TokenStream, no DataLoader": (lambda: iter(stream_batches(path, block, batch, seed).dataset), args.stream_batches),
+        "list-based TokenDataset": (
+            lambda: tutorial_batches(path, block, batch, seed),
+            args.tutorial_batches,
+        ),
+        "nanoGPT get_batch": (
+            lambda: get_batch_batches(path, block, batch, seed),
+            args.get_batch_batches,
+        ),
+        "TokenStream": (
+            lambda: stream_batches(path, block, batch, seed),
+            args.stream_batches,
+        ),
+        "TokenStream, no DataLoader": (
+            lambda: iter(stream_batches(path, block, batch, seed).dataset),
+            args.stream_batches,
+        ),
     }
-    made = {name: make() for name, (make, _) in methods.items()}  # the Python list is built once, untimed
+    # the Python list is built once, untimed
+    made = {name: make() for name, (make, _) in methods.items()}
     rates: dict[str, list[float]] = {name: [] for name in methods}
     bandwidths = []
     for _ in range(args.rounds):
@@ -136,18 +192,26 @@ def main() -> None:
 
     bandwidth = max(bandwidths)
     copy_rate = bandwidth / OUTPUT_BYTES_PER_TOKEN
-    print(f"memory copy (np.copyto, 256 MiB): {bandwidth / 1e9:.1f} GB/s "
-          f"-> {copy_rate / 1e6:.0f} M tokens/s at {OUTPUT_BYTES_PER_TOKEN} bytes per token")
+    print(
+        f"memory copy (np.copyto, 256 MiB): {bandwidth / 1e9:.1f} GB/s "
+        f"-> {copy_rate / 1e6:.0f} M tokens/s at {OUTPUT_BYTES_PER_TOKEN} bytes per token"
+    )
     for name, values in rates.items():
         best = max(values)
-        print(f"{name:>27}: {best / 1e6:8.2f} M tokens/s  ({best / copy_rate:6.1%} of the memory-copy rate)")
+        print(
+            f"{name:>27}: {best / 1e6:8.2f} M tokens/s  ({best / copy_rate:6.1%} of the memory-copy rate)"
+        )
     list_rate = max(rates["list-based TokenDataset"])
     stream_rate = max(rates["TokenStream"])
-    print(f"speedup over nanoGPT get_batch: {stream_rate / max(rates['nanoGPT get_batch']):.1f}")
+    print(
+        f"speedup over nanoGPT get_batch: {stream_rate / max(rates['nanoGPT get_batch']):.1f}"
+    )
     speedup = stream_rate / list_rate
     print(f"speedup over the list-based TokenDataset: {speedup:.1f}")
     if speedup < MIN_SPEEDUP:
-        raise SystemExit(f"the stream is only {speedup:.1f}x the list-based TokenDataset; expected at least {MIN_SPEEDUP}x")
+        raise SystemExit(
+            f"the stream is only {speedup:.1f}x the list-based TokenDataset; expected at least {MIN_SPEEDUP}x"
+        )
 
 
 if __name__ == "__main__":

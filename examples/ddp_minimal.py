@@ -1,7 +1,8 @@
 """DDP in one file: a byte-level bigram model on a text file, one process per device.
 
-    torchrun --nproc-per-node=2 examples/ddp_minimal.py TEXT_FILE OUT_FILE
+torchrun --nproc-per-node=2 examples/ddp_minimal.py TEXT_FILE OUT_FILE
 """
+
 import os
 import sys
 
@@ -15,32 +16,54 @@ BLOCK, BATCH, EPOCHS, LR = 64, 32, 2, 0.05
 
 
 def main(text_file: str, out_file: str) -> None:
-    local_rank = int(os.environ["LOCAL_RANK"])  # torchrun sets it: this process's index on its machine
+    # torchrun sets it: this process's index on its machine
+    local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # RANK, WORLD_SIZE from torchrun
-    data = torch.frombuffer(bytearray(open(text_file, "rb").read()), dtype=torch.uint8).long()
+    device = (
+        torch.device("cuda", local_rank)
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    # RANK, WORLD_SIZE from torchrun
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    data = torch.frombuffer(
+        bytearray(open(text_file, "rb").read()), dtype=torch.uint8
+    ).long()
     blocks = data[: len(data) // (BLOCK + 1) * (BLOCK + 1)].view(-1, BLOCK + 1)
-    sampler = DistributedSampler(TensorDataset(blocks), shuffle=True, seed=0)  # every rank its own share
-    loader = DataLoader(TensorDataset(blocks), batch_size=BATCH, sampler=sampler, drop_last=True)
+    # every rank its own share
+    sampler = DistributedSampler(TensorDataset(blocks), shuffle=True, seed=0)
+    loader = DataLoader(
+        TensorDataset(blocks), batch_size=BATCH, sampler=sampler, drop_last=True
+    )
     torch.manual_seed(0)
-    model = DDP(torch.nn.Embedding(256, 256).to(device))  # logits for the next byte, from this byte
+    # logits for the next byte, from this byte
+    model = DDP(torch.nn.Embedding(256, 256).to(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     for epoch in range(EPOCHS):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch repeats the first
+        # a new shuffle each epoch; without it every epoch repeats the first
+        sampler.set_epoch(epoch)
         for (block,) in loader:
             x, y = block[:, :-1].to(device), block[:, 1:].to(device)
             tokens = torch.tensor(y.numel(), device=device)
-            dist.all_reduce(tokens)  # the global token count: every rank divides by the same number
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum") / tokens
+            # the global token count: every rank divides by the same number
+            dist.all_reduce(tokens)
+            loss = (
+                F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
+                / tokens
+            )
             optimizer.zero_grad()
-            (loss * dist.get_world_size()).backward()  # DDP averages gradients; times world size = sum
+            # DDP averages gradients; times world size = sum
+            (loss * dist.get_world_size()).backward()
             optimizer.step()
         last_loss = loss.detach()
-        dist.all_reduce(last_loss)  # the last batch's global mean loss: the sum of the ranks' shares
+        # the last batch's global mean loss: the sum of the ranks' shares
+        dist.all_reduce(last_loss)
         if dist.get_rank() == 0:
-            print(f"epoch {epoch}: loss {last_loss.item():.3f} on {dist.get_world_size()} ranks", flush=True)
+            print(
+                f"epoch {epoch}: loss {last_loss.item():.3f} on {dist.get_world_size()} ranks",
+                flush=True,
+            )
     if dist.get_rank() == 0:
         torch.save(model.module.state_dict(), out_file)
     dist.barrier()  # rank 0 has written the weights: every rank can leave

@@ -25,7 +25,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-LAUNCH_TIMEOUT_S = 300.0  # a tiny job takes seconds; a hung collective must not hang the caller
+LAUNCH_TIMEOUT_S = (
+    300.0  # a tiny job takes seconds; a hung collective must not hang the caller
+)
 
 
 class LaunchError(RuntimeError):
@@ -39,29 +41,63 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun_command(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
-                     python: str = sys.executable) -> list[str]:
+def torchrun_command(
+    script: str | Path,
+    args: Sequence[str] = (),
+    nproc: int = 2,
+    python: str = sys.executable,
+) -> list[str]:
     """``torchrun`` on one machine with ``nproc`` processes and a free rendezvous port.
 
     An explicit free port rather than ``--master_port=0``: each rank would
     resolve port 0 on its own, and the ranks would never meet.
     """
-    return [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-            "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script), *map(str, args)]
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--nnodes=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(script),
+        *map(str, args),
+    ]
 
 
-def torchrun_node_command(script: str | Path, args: Sequence[str], node_rank: int, nnodes: int, port: int,
-                          nproc_per_node: int = 1, python: str = sys.executable) -> list[str]:
+def torchrun_node_command(
+    script: str | Path,
+    args: Sequence[str],
+    node_rank: int,
+    nnodes: int,
+    port: int,
+    nproc_per_node: int = 1,
+    python: str = sys.executable,
+) -> list[str]:
     """One node's ``torchrun`` of a multi-node job that meets at a c10d rendezvous on 127.0.0.1:``port``."""
-    return [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
-            f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=book", str(script), *map(str, args)]
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=book",
+        str(script),
+        *map(str, args),
+    ]
 
 
 def _ps(*columns: str) -> list[list[int]]:
     """One row of integers per process, the ``columns`` that ``ps -o`` names."""
-    listing = subprocess.run(["ps", "-A", *[f"-o{column}=" for column in columns]], capture_output=True,
-                             text=True, check=True).stdout
+    listing = subprocess.run(
+        ["ps", "-A", *[f"-o{column}=" for column in columns]],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [[int(value) for value in line.split()] for line in listing.splitlines()]
 
 
@@ -90,12 +126,24 @@ def _signal(pids: set[int], sig: signal.Signals) -> None:
 class Job:
     """A command running in a session of its own, its output collected in a temporary file."""
 
-    def __init__(self, command: Sequence[str], cwd: str | Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        command: Sequence[str],
+        cwd: str | Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.command = [str(part) for part in command]
-        self._output = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
-        self.process = subprocess.Popen(self.command, stdout=self._output, stderr=subprocess.STDOUT,
-                                        cwd=cwd, env=env, start_new_session=True)
+        self._output = tempfile.TemporaryFile(
+            mode="w+", encoding="utf-8", errors="replace"
+        )
+        self.process = subprocess.Popen(
+            self.command,
+            stdout=self._output,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+        )
 
     def output(self) -> str:
         self._output.seek(0)
@@ -106,7 +154,9 @@ class Job:
         code = self.process.poll()
         if code in (None, 0):
             return None
-        return LaunchError(f"{' '.join(self.command)} exited with code {code}; output:\n{self.output()}")
+        return LaunchError(
+            f"{' '.join(self.command)} exited with code {code}; output:\n{self.output()}"
+        )
 
     def kill(self) -> None:
         """End the command and every process it started, in its session or in sessions of their own.
@@ -116,8 +166,12 @@ class Job:
         """
         stopped: set[int] = set()
         while True:
-            roots = {pid for pid, group in _ps("pid", "pgid") if group == self.process.pid}  # the job's group
-            if self.process.returncode is None:  # not reaped yet, so its id is still its own
+            # the job's group
+            roots = {
+                pid for pid, group in _ps("pid", "pgid") if group == self.process.pid
+            }
+            # not reaped yet, so its id is still its own
+            if self.process.returncode is None:
                 roots.add(self.process.pid)
             found = _descendants(roots) - stopped
             if not found:
@@ -128,8 +182,12 @@ class Job:
         self.process.wait()
 
 
-def launch(command: Sequence[str], timeout_s: float = LAUNCH_TIMEOUT_S, cwd: str | Path | None = None,
-           env: dict[str, str] | None = None) -> str:
+def launch(
+    command: Sequence[str],
+    timeout_s: float = LAUNCH_TIMEOUT_S,
+    cwd: str | Path | None = None,
+    env: dict[str, str] | None = None,
+) -> str:
     """Run ``command`` to the end and return its output; on a failure or timeout, raise ``LaunchError``.
 
     However it ends (an error in the caller and Ctrl-C included), no process it started is left running.
@@ -137,8 +195,12 @@ def launch(command: Sequence[str], timeout_s: float = LAUNCH_TIMEOUT_S, cwd: str
     return launch_together([command], timeout_s, cwd, env)[0]
 
 
-def launch_together(commands: Sequence[Sequence[str]], timeout_s: float = LAUNCH_TIMEOUT_S,
-                    cwd: str | Path | None = None, env: dict[str, str] | None = None) -> list[str]:
+def launch_together(
+    commands: Sequence[Sequence[str]],
+    timeout_s: float = LAUNCH_TIMEOUT_S,
+    cwd: str | Path | None = None,
+    env: dict[str, str] | None = None,
+) -> list[str]:
     """Run ``commands`` at the same time (the nodes of one job) and return each one's output.
 
     As soon as one fails, or at the timeout, every process of every command is
@@ -153,8 +215,10 @@ def launch_together(commands: Sequence[Sequence[str]], timeout_s: float = LAUNCH
                 raise failed
             if time.monotonic() > deadline:
                 outputs = "\n".join(job.output() for job in jobs)
-                raise LaunchError(f"{' '.join(jobs[0].command)} ran past {timeout_s:.0f} s and was killed; "
-                                  f"output:\n{outputs}")
+                raise LaunchError(
+                    f"{' '.join(jobs[0].command)} ran past {timeout_s:.0f} s and was killed; "
+                    f"output:\n{outputs}"
+                )
             time.sleep(0.1)
         failed = next((job.failure() for job in jobs if job.failure()), None)
         if failed:

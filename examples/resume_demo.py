@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import time
 
-STARTED = time.perf_counter()  # before the other imports: the final file reports how long they took
+# before the other imports: the final file reports how long they took
+STARTED = time.perf_counter()
 
 import argparse
 import io
@@ -45,11 +46,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchbook.cache import shakespeare_path
 from torchbook.checkpoint import (
-    TrainingCheckpoint, latest_checkpoint, load_training_checkpoint, save_training_checkpoint,
+    TrainingCheckpoint,
+    latest_checkpoint,
+    load_training_checkpoint,
+    save_training_checkpoint,
 )
-from torchbook.data import ShardError, StreamConfig, TokenStream, read_header, write_shard
+from torchbook.data import (
+    ShardError,
+    StreamConfig,
+    TokenStream,
+    read_header,
+    write_shard,
+)
+from torchbook.download import shakespeare_path
 from torchbook.files import atomic_write
 from torchbook.models import GPT, GPTConfig
 from torchbook.profiles import CheckpointSizes, active_profile
@@ -104,15 +114,34 @@ def byte_shard(folder: Path) -> Path:
     return path
 
 
-def demo_configs(sizes: CheckpointSizes, steps: int, seed: int) -> tuple[GPTConfig, TrainConfig, StreamConfig]:
+def demo_configs(
+    sizes: CheckpointSizes, steps: int, seed: int
+) -> tuple[GPTConfig, TrainConfig, StreamConfig]:
     """The model, training and data configurations of the demonstration run."""
-    model_config = GPTConfig(vocab_size=BYTE_VOCAB, block_size=sizes.block_size, n_layer=sizes.n_layer,
-                             n_head=sizes.n_head, d_model=sizes.d_model, dropout=sizes.dropout)
-    train_config = TrainConfig(max_steps=steps, lr=LEARNING_RATE, min_lr=LEARNING_RATE / 10,
-                               warmup_steps=min(WARMUP_STEPS, steps), accum_steps=sizes.accum_steps,
-                               log_every=1)  # one history row per step: the loss of every step is compared
-    stream_config = StreamConfig(block_size=sizes.block_size, batch_size=sizes.batch_size, shuffle=True,
-                                 seed=seed, epochs=None)
+    model_config = GPTConfig(
+        vocab_size=BYTE_VOCAB,
+        block_size=sizes.block_size,
+        n_layer=sizes.n_layer,
+        n_head=sizes.n_head,
+        d_model=sizes.d_model,
+        dropout=sizes.dropout,
+    )
+    # one history row per step: the loss of every step is compared
+    train_config = TrainConfig(
+        max_steps=steps,
+        lr=LEARNING_RATE,
+        min_lr=LEARNING_RATE / 10,
+        warmup_steps=min(WARMUP_STEPS, steps),
+        accum_steps=sizes.accum_steps,
+        log_every=1,
+    )
+    stream_config = StreamConfig(
+        block_size=sizes.block_size,
+        batch_size=sizes.batch_size,
+        shuffle=True,
+        seed=seed,
+        epochs=None,
+    )
     return model_config, train_config, stream_config
 
 
@@ -126,22 +155,32 @@ class Run:
     stream: TokenStream
     save_every: int
     keep_last: int
-    batches_drawn: int = 0  # from the start of training; a step the fp16 scaler skips draws batches too
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None  # started at the first step
+    batches_drawn: int = (
+        0  # from the start of training; a step the fp16 scaler skips draws batches too
+    )
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = (
+        None  # started at the first step
+    )
 
     def save(self) -> Path:
         """Checkpoint the full state after the latest optimizer step (pending losses included)."""
         return save_training_checkpoint(
-            self.folder, self.trainer.state_dict(),
+            self.folder,
+            self.trainer.state_dict(),
             data_state=self.stream.state_dict(batches_consumed=self.batches_drawn),
-            model_config=self.model_config, keep_last=self.keep_last)
+            model_config=self.model_config,
+            keep_last=self.keep_last,
+        )
 
     def resume(self, path: Path, restore_rng: bool = True) -> TrainingCheckpoint:
         """Restore everything ``save`` wrote, into this run's objects, before its first step."""
         if self.batches is not None:
-            raise RuntimeError(f"{path}: resume before the first step, not after {self.batches_drawn} batches")
-        resumed = load_training_checkpoint(path, self.trainer, model_config=self.model_config,
-                                           restore_rng=restore_rng)
+            raise RuntimeError(
+                f"{path}: resume before the first step, not after {self.batches_drawn} batches"
+            )
+        resumed = load_training_checkpoint(
+            path, self.trainer, model_config=self.model_config, restore_rng=restore_rng
+        )
         self.stream.load_state_dict(resumed.data)
         self.batches_drawn = resumed.data["batches_consumed"]
         return resumed
@@ -151,30 +190,69 @@ class Run:
         if self.batches is None:
             self.batches = iter(self.stream)
         while self.trainer.step < until_step:
-            micro_batches = [next(self.batches) for _ in range(self.trainer.config.accum_steps)]
-            self.batches_drawn += len(micro_batches)  # a step the fp16 scaler skips drew its batches too
+            micro_batches = [
+                next(self.batches) for _ in range(self.trainer.config.accum_steps)
+            ]
+            # a step the fp16 scaler skips drew its batches too
+            self.batches_drawn += len(micro_batches)
             result = self.trainer.train_step(micro_batches)
             if not result.skipped and result.step % self.save_every == 0:
                 path = self.save()
-                print(f"checkpoint {result.step // self.save_every} written: {path.name}", flush=True)
+                print(
+                    f"checkpoint {result.step // self.save_every} written: {path.name}",
+                    flush=True,
+                )
 
 
 def main(argv: list[str] | None = None) -> int:
     sizes = active_profile().checkpoint
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--folder", type=Path, required=True, help="checkpoints (and the data shard) go here")
-    parser.add_argument("--out", type=Path, required=True, help="final weights and loss history (torch.save)")
+    parser.add_argument(
+        "--folder",
+        type=Path,
+        required=True,
+        help="checkpoints (and the data shard) go here",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="final weights and loss history (torch.save)",
+    )
     parser.add_argument("--steps", type=int, default=sizes.steps)
     parser.add_argument("--save-every", type=int, default=sizes.save_every)
     parser.add_argument("--keep-last", type=int, default=sizes.keep_last)
     parser.add_argument("--seed", type=int, default=active_profile().seed)
-    parser.add_argument("--lr", type=float, default=LEARNING_RATE, help="peak learning rate (change it on --resume)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --folder")
-    parser.add_argument("--no-restore-rng", action="store_true", help="resume without the RNG state (breaks exactness)")
-    parser.add_argument("--kill-after-checkpoint", type=int, default=None, metavar="K",
-                        help="SIGKILL this process once checkpoint K (at step K * save_every) is durable")
-    parser.add_argument("--kill-during-save", type=int, default=None, metavar="K",
-                        help="SIGKILL this process halfway through writing checkpoint K")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=LEARNING_RATE,
+        help="peak learning rate (change it on --resume)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --folder",
+    )
+    parser.add_argument(
+        "--no-restore-rng",
+        action="store_true",
+        help="resume without the RNG state (breaks exactness)",
+    )
+    parser.add_argument(
+        "--kill-after-checkpoint",
+        type=int,
+        default=None,
+        metavar="K",
+        help="SIGKILL this process once checkpoint K (at step K * save_every) is durable",
+    )
+    parser.add_argument(
+        "--kill-during-save",
+        type=int,
+        default=None,
+        metavar="K",
+        help="SIGKILL this process halfway through writing checkpoint K",
+    )
     args = parser.parse_args(argv)
 
     # Deterministic CPU settings: one thread fixes the order of every float sum.
@@ -184,13 +262,19 @@ def main(argv: list[str] | None = None) -> int:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
 
-    model_config, train_config, stream_config = demo_configs(sizes, args.steps, args.seed)
+    model_config, train_config, stream_config = demo_configs(
+        sizes, args.steps, args.seed
+    )
     if args.lr != LEARNING_RATE:
         train_config.lr, train_config.min_lr = args.lr, args.lr / 10
-    run = Run(folder=args.folder, model_config=model_config,
-              trainer=Trainer(GPT(model_config), train_config, torch.device("cpu")),
-              stream=TokenStream([byte_shard(args.folder)], stream_config),
-              save_every=args.save_every, keep_last=args.keep_last)
+    run = Run(
+        folder=args.folder,
+        model_config=model_config,
+        trainer=Trainer(GPT(model_config), train_config, torch.device("cpu")),
+        stream=TokenStream([byte_shard(args.folder)], stream_config),
+        save_every=args.save_every,
+        keep_last=args.keep_last,
+    )
 
     if args.resume:
         path = latest_checkpoint(args.folder)
@@ -214,11 +298,19 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = run.trainer
     trainer.log()
-    result = {"weights": trainer.model.state_dict(), "losses": [row["loss"] for row in trainer.history],
-              "steps": [row["step"] for row in trainer.history], "lrs": [row["lr"] for row in trainer.history],
-              "import_seconds": IMPORT_SECONDS, "train_seconds": time.perf_counter() - training_started}
+    result = {
+        "weights": trainer.model.state_dict(),
+        "losses": [row["loss"] for row in trainer.history],
+        "steps": [row["step"] for row in trainer.history],
+        "lrs": [row["lr"] for row in trainer.history],
+        "import_seconds": IMPORT_SECONDS,
+        "train_seconds": time.perf_counter() - training_started,
+    }
     atomic_write(args.out, lambda temporary: torch.save(result, temporary))
-    print(f"finished {trainer.step} steps, final loss {trainer.history[-1]['loss']:.4f}", flush=True)
+    print(
+        f"finished {trainer.step} steps, final loss {trainer.history[-1]['loss']:.4f}",
+        flush=True,
+    )
     return 0
 
 

@@ -29,8 +29,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torchbook.data import StreamConfig, TokenStream, read_shards
-from torchbook.distributed import (DistributedContext, cleanup_distributed, count_allreduces, init_distributed,
-                                   is_rank_zero, mean_over_ranks)
+from torchbook.distributed import (
+    DistributedContext,
+    cleanup_distributed,
+    count_allreduces,
+    init_distributed,
+    is_rank_zero,
+    mean_over_ranks,
+)
 from torchbook.files import atomic_write, atomic_write_text
 from torchbook.models import GPT, GPTConfig
 from torchbook.profiles import DeviceSizes, active_profile
@@ -43,10 +49,21 @@ BUCKET_CAP_MB = 0.05
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", type=Path, required=True, help="folder written by torchbook.data.write_shards")
-    parser.add_argument("--out", type=Path, required=True, help="folder for rank 0's log and checkpoint")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="default: the active profile's device type")
+    parser.add_argument(
+        "--shards",
+        type=Path,
+        required=True,
+        help="folder written by torchbook.data.write_shards",
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for rank 0's log and checkpoint"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="default: the active profile's device type",
+    )
     return parser.parse_args()
 
 
@@ -62,32 +79,61 @@ def main() -> None:
         cleanup_distributed()  # on errors too: the other ranks are not left waiting at a collective
 
 
-def train(args: argparse.Namespace, sizes: DeviceSizes, context: DistributedContext) -> None:
+def train(
+    args: argparse.Namespace, sizes: DeviceSizes, context: DistributedContext
+) -> None:
     started = time.perf_counter()
     # Every rank builds the same initial weights from the same seed; DDP also broadcasts rank 0's.
     torch.manual_seed(active_profile().seed)
-    model_config = GPTConfig(vocab_size=sizes.vocab_size, block_size=sizes.block_size,
-                             n_layer=sizes.n_layer, n_head=sizes.n_head, d_model=sizes.d_model)
-    model = GPT(model_config).to(context.device)  # on its device before DDP and before the optimizer
-    ddp_model = DDP(model, device_ids=[context.device.index] if context.device.type == "cuda" else None,
-                    bucket_cap_mb=BUCKET_CAP_MB)
-    counter = count_allreduces(ddp_model)  # a communication hook that counts, then all-reduces
+    model_config = GPTConfig(
+        vocab_size=sizes.vocab_size,
+        block_size=sizes.block_size,
+        n_layer=sizes.n_layer,
+        n_head=sizes.n_head,
+        d_model=sizes.d_model,
+    )
+    # on its device before DDP and before the optimizer
+    model = GPT(model_config).to(context.device)
+    ddp_model = DDP(
+        model,
+        device_ids=[context.device.index] if context.device.type == "cuda" else None,
+        bucket_cap_mb=BUCKET_CAP_MB,
+    )
+    # a communication hook that counts, then all-reduces
+    counter = count_allreduces(ddp_model)
 
     # Each rank reads different batches: the stream deals global batches out by rank.
-    stream = TokenStream(read_shards(args.shards), StreamConfig(
-        block_size=sizes.block_size, batch_size=sizes.micro_batch_size, seed=1,
-        rank=context.rank, world_size=context.world_size, epochs=None))
-    config = TrainConfig(max_steps=sizes.ddp_steps, lr=sizes.lr, min_lr=sizes.lr / 10, warmup_steps=2,
-                         accum_steps=sizes.accum_steps, log_every=sizes.ddp_steps // 3)
+    stream = TokenStream(
+        read_shards(args.shards),
+        StreamConfig(
+            block_size=sizes.block_size,
+            batch_size=sizes.micro_batch_size,
+            seed=1,
+            rank=context.rank,
+            world_size=context.world_size,
+            epochs=None,
+        ),
+    )
+    config = TrainConfig(
+        max_steps=sizes.ddp_steps,
+        lr=sizes.lr,
+        min_lr=sizes.lr / 10,
+        warmup_steps=2,
+        accum_steps=sizes.accum_steps,
+        log_every=sizes.ddp_steps // 3,
+    )
     trainer = Trainer(ddp_model, config, context.device)
     batches = iter(stream)
     allreduces_per_step = []  # DDP regroups its buckets after the first step; count every step
     while trainer.step < config.max_steps:
         calls_before = counter.calls
-        trainer.train_step(list(itertools.islice(batches, config.accum_steps)))  # no_sync inside
+        # no_sync inside
+        trainer.train_step(list(itertools.islice(batches, config.accum_steps)))
         allreduces_per_step.append(counter.calls - calls_before)
-    last_step_buckets = counter.bucket_bytes[-allreduces_per_step[-1]:]  # bytes of each bucket
-    history = trainer.history  # a row every log_every steps, the loss averaged over all ranks' tokens
+    # bytes of each bucket
+    last_step_buckets = counter.bucket_bytes[-allreduces_per_step[-1] :]
+    # a row every log_every steps, the loss averaged over all ranks' tokens
+    history = trainer.history
 
     # The same accumulation by hand without no_sync: DDP all-reduces after every micro-batch.
     counter.calls = 0
@@ -100,7 +146,10 @@ def train(args: argparse.Namespace, sizes: DeviceSizes, context: DistributedCont
     # Each rank evaluates its own next batch; the mean over ranks is what rank 0 logs.
     x, y = next(batches)
     with torch.no_grad():
-        local_loss = F.cross_entropy(ddp_model(x.to(context.device)).flatten(0, 1), y.to(context.device).flatten())
+        local_loss = F.cross_entropy(
+            ddp_model(x.to(context.device)).flatten(0, 1),
+            y.to(context.device).flatten(),
+        )
     val_loss = mean_over_ranks(local_loss).item()
     # Every rank's own numbers, collected on rank 0 (a collective: all ranks call it), so that
     # one process prints and lines from different ranks never interleave.
@@ -111,16 +160,25 @@ def train(args: argparse.Namespace, sizes: DeviceSizes, context: DistributedCont
     for row in history:
         print(f"step {row['step']:3d}  loss {row['loss']:.4f}  lr {row['lr']:.2e}")
     for rank, (calls, loss) in enumerate(per_rank):
-        print(f"rank {rank}: {calls} all-reduces for one unsynced step, own loss {loss:.4f}")
+        print(
+            f"rank {rank}: {calls} all-reduces for one unsynced step, own loss {loss:.4f}"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write(args.out / "checkpoint.pt", lambda path: torch.save(trainer.state_dict(), path))
+    atomic_write(
+        args.out / "checkpoint.pt", lambda path: torch.save(trainer.state_dict(), path)
+    )
     result = {
-        "world_size": context.world_size, "backend": context.backend, "steps": trainer.step,
-        "accum_steps": sizes.accum_steps, "history": history,
+        "world_size": context.world_size,
+        "backend": context.backend,
+        "steps": trainer.step,
+        "accum_steps": sizes.accum_steps,
+        "history": history,
         "allreduces_per_step_with_no_sync": allreduces_per_step,
-        "bucket_cap_mb": BUCKET_CAP_MB, "bucket_bytes_last_step": last_step_buckets,
+        "bucket_cap_mb": BUCKET_CAP_MB,
+        "bucket_bytes_last_step": last_step_buckets,
         "allreduces_per_step_without_no_sync": unsynced_per_step,
-        "val_loss_mean_over_ranks": val_loss, "val_loss_rank0": local_loss.item(),
+        "val_loss_mean_over_ranks": val_loss,
+        "val_loss_rank0": local_loss.item(),
         "seconds": time.perf_counter() - started,
     }
     atomic_write_text(args.out / "log.json", json.dumps(result, indent=1) + "\n")

@@ -46,12 +46,17 @@ COMPILE_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 WARNING_MARKERS = ("Warning:", "UserWarning", "FutureWarning", "DeprecationWarning")
 # Code that starts worker processes: DataLoader workers (num_workers other than 0) or multiprocessing itself.
 STARTS_WORKERS = re.compile(r"\bnum_workers\s*=\s*(?!0\b)|\bmultiprocessing\b")
-START_METHOD_CELL = 'import multiprocessing\n\nmultiprocessing.set_start_method({!r}, force=True)'
+START_METHOD_CELL = (
+    "import multiprocessing\n\nmultiprocessing.set_start_method({!r}, force=True)"
+)
 
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--chapter-budget", type=float, default=None, metavar="SECONDS",
+        "--chapter-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
         help="override every chapter's time budget (the harness's own tests use a tiny one)",
     )
 
@@ -76,8 +81,12 @@ def starts_workers(path: Path) -> bool:
         cells = parse_qmd(path)[1]
     except QmdError:
         return False  # the first collection reports the error
-    return any(cell.kind == "code" and cell.options.get("eval") is not False and STARTS_WORKERS.search(cell.source)
-               for cell in cells)
+    return any(
+        cell.kind == "code"
+        and cell.options.get("eval") is not False
+        and STARTS_WORKERS.search(cell.source)
+        for cell in cells
+    )
 
 
 def pytest_collect_file(file_path: Path, parent):
@@ -96,7 +105,9 @@ class SpawnRuns:
     @pytest.hookimpl(trylast=True)  # after the default run of the same chapter
     def pytest_collect_file(self, file_path: Path, parent):
         if file_path.suffix == ".qmd" and starts_workers(file_path):
-            node = ChapterFile.from_parent(parent, path=file_path, nodeid=f"{_relative(file_path, parent)}[spawn]")
+            node = ChapterFile.from_parent(
+                parent, path=file_path, nodeid=f"{_relative(file_path, parent)}[spawn]"
+            )
             node.start_method = "spawn"
             return node
         return None
@@ -138,22 +149,44 @@ class ChapterFile(IPyNbFile):
             self.nb = from_dict(to_notebook(self.path, for_tests=True))
         except QmdError as error:
             raise self.CollectError(str(error)) from error
-        if self.start_method is not None:  # a first cell, before anything can start a process
-            self.nb.cells.insert(0, from_dict({"cell_type": "code", "metadata": {"qmd_line": 0}, "outputs": [],
-                                               "execution_count": None,
-                                               "source": START_METHOD_CELL.format(self.start_method)}))
-        self.budget_s = chapter_budget_s(self.path, self.config.getoption("--chapter-budget"))
+        # a first cell, before anything can start a process
+        if self.start_method is not None:
+            self.nb.cells.insert(
+                0,
+                from_dict(
+                    {
+                        "cell_type": "code",
+                        "metadata": {"qmd_line": 0},
+                        "outputs": [],
+                        "execution_count": None,
+                        "source": START_METHOD_CELL.format(self.start_method),
+                    }
+                ),
+            )
+        self.budget_s = chapter_budget_s(
+            self.path, self.config.getoption("--chapter-budget")
+        )
         prefix = "" if self.start_method is None else f"{self.start_method}: "
         number = 0
         for cell in self.nb.cells:
             if cell.cell_type != "code":
                 continue
             options = defaultdict(bool, find_metadata_tags(cell.metadata))
-            options["check"] = False  # outputs are not compared: the chapter asserts what matters
-            first_line = next((line for line in cell.source.splitlines()
-                               if line.strip() and not line.startswith("#|")), "")
+            options["check"] = (
+                False  # outputs are not compared: the chapter asserts what matters
+            )
+            first_line = next(
+                (
+                    line
+                    for line in cell.source.splitlines()
+                    if line.strip() and not line.startswith("#|")
+                ),
+                "",
+            )
             name = f"{prefix}line {cell.metadata['qmd_line']}: {first_line[:60]}"
-            yield ChapterCell.from_parent(self, name=name, cell_num=number, cell=cell, options=options)
+            yield ChapterCell.from_parent(
+                self, name=name, cell_num=number, cell=cell, options=options
+            )
             number += 1
 
     def setup(self):
@@ -175,7 +208,11 @@ class ChapterFile(IPyNbFile):
         if not hasattr(self, "started"):
             return  # setup never ran
         elapsed = time.monotonic() - self.started
-        label = self.path.name if self.start_method is None else f"{self.path.name} ({self.start_method})"
+        label = (
+            self.path.name
+            if self.start_method is None
+            else f"{self.path.name} ({self.start_method})"
+        )
         self.config.stash.setdefault(CHAPTER_TIMES, {})[label] = elapsed
         self.compile_cache.cleanup()
         if self.saved_cache_variable is None:
@@ -203,7 +240,9 @@ class ChapterCell(IPyNbCell):
             super().runtest()
         except NbCellError as error:
             if chapter.timed_out:
-                raise NbCellError(self.cell_num, self._budget_message(), self.cell.source) from error
+                raise NbCellError(
+                    self.cell_num, self._budget_message(), self.cell.source
+                ) from error
             raise
         finally:
             self.config.option.nbval_cell_timeout = saved
@@ -214,13 +253,23 @@ class ChapterCell(IPyNbCell):
         label = str(self.cell.metadata.get("qmd_options", {}).get("label", ""))
         if not label.startswith("fig-"):
             return
-        if not any(key.startswith("image/") for output in self.test_outputs or [] for key in output.get("data", {})):
-            raise NbCellError(self.cell_num, f"the cell is labelled {label!r} but produced no image: "
-                              "its figure would be missing from the page", self.cell.source)
+        if not any(
+            key.startswith("image/")
+            for output in self.test_outputs or []
+            for key in output.get("data", {})
+        ):
+            raise NbCellError(
+                self.cell_num,
+                f"the cell is labelled {label!r} but produced no image: "
+                "its figure would be missing from the page",
+                self.cell.source,
+            )
 
     def _budget_message(self) -> str:
-        return (f"{self.parent.path.name} ran past its budget of {self.parent.budget_s:.0f} s "
-                "for the whole chapter")
+        return (
+            f"{self.parent.path.name} ran past its budget of {self.parent.budget_s:.0f} s "
+            "for the whole chapter"
+        )
 
     def _refuse_unexpected_warnings(self):
         if "warning" in self.cell.metadata.get("qmd_options", {}):
@@ -241,8 +290,10 @@ class ChapterCell(IPyNbCell):
         line = self.cell.metadata.get("qmd_line")
         first = re.sub(r"^(\w+: )?line \d+: ", "", self.name)
         start_method = self.parent.start_method
-        heading = f"{chapter.parent.name}/{chapter.name}:{line}: cell `{first}` failed" + (
-            f" under the {start_method} start method" if start_method else "")
+        heading = (
+            f"{chapter.parent.name}/{chapter.name}:{line}: cell `{first}` failed"
+            + (f" under the {start_method} start method" if start_method else "")
+        )
         error = excinfo.value
         if isinstance(error, NbCellError):
             detail = str(error)
@@ -252,7 +303,11 @@ class ChapterCell(IPyNbCell):
         return f"{heading}\n{super().repr_failure(excinfo)}"
 
     def reportinfo(self):
-        return self.path, self.cell.metadata.get("qmd_line", 1) - 1, f"{self.path.name}::{self.name}"
+        return (
+            self.path,
+            self.cell.metadata.get("qmd_line", 1) - 1,
+            f"{self.path.name}::{self.name}",
+        )
 
 
 def _last_lines(text: str, count: int) -> str:

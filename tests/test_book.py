@@ -77,7 +77,9 @@ def labels_in(path: Path) -> set[str]:
 def prose_of(path: Path) -> str:
     """The markdown of a chapter without inline code, so `@fig-x` in backticks is not a reference."""
     _, cells = parse_qmd(path)
-    return "\n".join(INLINE_CODE.sub("", cell.source) for cell in cells if cell.kind == "markdown")
+    return "\n".join(
+        INLINE_CODE.sub("", cell.source) for cell in cells if cell.kind == "markdown"
+    )
 
 
 def test_every_cross_reference_has_its_label():
@@ -98,7 +100,9 @@ def test_every_figure_label_has_a_caption():
         for cell in parse_qmd(path)[1]:
             label = str(cell.options.get("label", "")) if cell.kind == "code" else ""
             if label.startswith("fig-") and not cell.options.get("fig-cap"):
-                problems.append(f"{path.relative_to(ROOT)}:{cell.line}: {label} has no fig-cap")
+                problems.append(
+                    f"{path.relative_to(ROOT)}:{cell.line}: {label} has no fig-cap"
+                )
     assert not problems, problems
 
 
@@ -111,14 +115,18 @@ def test_every_image_path_exists():
     assert not missing, f"images that do not exist: {missing}"
 
 
-@pytest.mark.parametrize("name", [name for name in listed_chapters() if name.startswith("chapters/")])
+@pytest.mark.parametrize(
+    "name", [name for name in listed_chapters() if name.startswith("chapters/")]
+)
 def test_chapter_links_its_notebook_download(name):
     path = ROOT / name
     if not path.is_file():
         pytest.fail(f"{name} is listed but missing")
     meta, _ = parse_qmd(path)
     links = [link.get("href") for link in meta.get("other-links", [])]
-    assert f"{path.stem}.ipynb" in links, f"{name}: front matter needs other-links to {path.stem}.ipynb"
+    assert f"{path.stem}.ipynb" in links, (
+        f"{name}: front matter needs other-links to {path.stem}.ipynb"
+    )
 
 
 # Citations: Quarto's [@key] and narrative @key, in the prose of any page.
@@ -131,26 +139,47 @@ CROSS_REFERENCE_PREFIXES = ("fig-", "sec-", "tbl-", "eq-", "lst-")
 def bib_entries() -> dict[str, str]:
     """Key -> entry type of every entry in references.bib."""
     text = (ROOT / "references.bib").read_text(encoding="utf-8")
-    return {key: kind.lower() for kind, key in BIB_ENTRY.findall(text) if kind.lower() != "comment"}
+    return {
+        key: kind.lower()
+        for kind, key in BIB_ENTRY.findall(text)
+        if kind.lower() != "comment"
+    }
 
 
 def pages_that_may_cite() -> list[Path]:
-    return sorted([*ROOT.glob("*.qmd"), *(ROOT / "chapters").glob("*.qmd"), *(ROOT / "appendix").glob("*.qmd")])
+    return sorted(
+        [
+            *ROOT.glob("*.qmd"),
+            *(ROOT / "chapters").glob("*.qmd"),
+            *(ROOT / "appendix").glob("*.qmd"),
+        ]
+    )
 
 
 def citations_in(path: Path) -> set[str]:
     """Citation keys in a page's prose: code cells, fenced examples and inline code do not count."""
     _, cells = parse_qmd(path)
     markdown = "\n".join(cell.source for cell in cells if cell.kind == "markdown")
-    prose = INLINE_CODE.sub("", FENCED_BLOCK.sub("", markdown))  # fences first: ``` is not inline code
-    return {key for key in CITATION.findall(prose) if not key.startswith(CROSS_REFERENCE_PREFIXES)}
+    # fences first: ``` is not inline code
+    prose = INLINE_CODE.sub("", FENCED_BLOCK.sub("", markdown))
+    return {
+        key
+        for key in CITATION.findall(prose)
+        if not key.startswith(CROSS_REFERENCE_PREFIXES)
+    }
 
 
 def test_bibliography_is_configured_with_a_references_page():
-    assert book_config().get("bibliography") == "references.bib", "_quarto.yml must set bibliography"
-    assert "references.qmd" in listed_chapters(), "references.qmd must be listed in the book"
+    assert book_config().get("bibliography") == "references.bib", (
+        "_quarto.yml must set bibliography"
+    )
+    assert "references.qmd" in listed_chapters(), (
+        "references.qmd must be listed in the book"
+    )
     text = (ROOT / "references.qmd").read_text(encoding="utf-8")
-    assert "::: {#refs}" in text, "references.qmd must hold the {#refs} div where Quarto puts the list"
+    assert "::: {#refs}" in text, (
+        "references.qmd must hold the {#refs} div where Quarto puts the list"
+    )
 
 
 def test_bib_keys_are_unique():
@@ -164,19 +193,25 @@ def test_every_bib_entry_names_author_title_and_year_or_url():
     text = (ROOT / "references.bib").read_text(encoding="utf-8")
     starts = [match.start() for match in BIB_ENTRY.finditer(text)] + [len(text)]
     problems = []
-    for start, end in zip(starts, starts[1:]):
+    for start, end in zip(starts, starts[1:], strict=False):
         entry = text[start:end]
         key = BIB_ENTRY.match(entry).group(2)
         fields = set(re.findall(r"^\s*(\w+)\s*=", entry, re.MULTILINE))
         if not {"author", "title"} <= fields or not fields & {"year", "url"}:
             problems.append(f"{key}: has {sorted(fields)}")
-    assert not problems, f"entries missing author, title, or both year and url: {problems}"
+    assert not problems, (
+        f"entries missing author, title, or both year and url: {problems}"
+    )
 
 
 def test_every_citation_key_exists_in_references_bib():
     known = set(bib_entries())
-    unknown = [f"{path.relative_to(ROOT)}: @{key}"
-               for path in pages_that_may_cite() for key in sorted(citations_in(path)) if key not in known]
+    unknown = [
+        f"{path.relative_to(ROOT)}: @{key}"
+        for path in pages_that_may_cite()
+        for key in sorted(citations_in(path))
+        if key not in known
+    ]
     assert not unknown, f"citations without an entry in references.bib: {unknown}"
 
 
@@ -186,7 +221,9 @@ def test_every_bib_entry_is_cited_somewhere():
     assert not uncited, f"entries in references.bib that no page cites: {uncited}"
 
 
-def test_citation_finder_sees_brackets_and_narrative_but_not_code_or_references(tmp_path):
+def test_citation_finder_sees_brackets_and_narrative_but_not_code_or_references(
+    tmp_path,
+):
     page = tmp_path / "page.qmd"
     page.write_text(
         "As @kingma2015adam showed [see @loshchilov2019adamw, p. 2; @su2024roformer].\n"
@@ -195,4 +232,8 @@ def test_citation_finder_sees_brackets_and_narrative_but_not_code_or_references(
         "```{python}\n@decorated\ndef g(): ...\n```\n",
         encoding="utf-8",
     )
-    assert citations_in(page) == {"kingma2015adam", "loshchilov2019adamw", "su2024roformer"}
+    assert citations_in(page) == {
+        "kingma2015adam",
+        "loshchilov2019adamw",
+        "su2024roformer",
+    }

@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOWN_BLOCK = re.compile(
-    r'^```\{\.python filename="(?P<path>[^"]+)"\}\n(?P<body>.*?)^```\s*$', re.DOTALL | re.MULTILINE
+    r'^```\{\.python filename="(?P<path>[^"]+)"\}\n(?P<body>.*?)^```\s*$',
+    re.DOTALL | re.MULTILINE,
 )
 INCLUDE = re.compile(r"^\{\{< include \S+ >\}\}$")
 CHAPTERS = sorted((ROOT / "chapters").glob("*.qmd"))
@@ -26,8 +27,11 @@ CHAPTERS = sorted((ROOT / "chapters").glob("*.qmd"))
 
 def shown_blocks(chapter: Path) -> list[tuple[str, str]]:
     """(file path, block text) for every filename= block of ``chapter`` that is not an include."""
-    return [(match["path"], match["body"]) for match in SHOWN_BLOCK.finditer(chapter.read_text(encoding="utf-8"))
-            if not INCLUDE.match(match["body"].strip())]
+    return [
+        (match["path"], match["body"])
+        for match in SHOWN_BLOCK.finditer(chapter.read_text(encoding="utf-8"))
+        if not INCLUDE.match(match["body"].strip())
+    ]
 
 
 def is_verbatim_run(block: str, source: str) -> bool:
@@ -35,15 +39,21 @@ def is_verbatim_run(block: str, source: str) -> bool:
     wanted = textwrap.dedent(block).rstrip("\n").splitlines()
     lines = source.splitlines()
     for start in range(len(lines) - len(wanted) + 1):
-        if textwrap.dedent("\n".join(lines[start:start + len(wanted)])).splitlines() == wanted:
+        if (
+            textwrap.dedent("\n".join(lines[start : start + len(wanted)])).splitlines()
+            == wanted
+        ):
             return True
     return False
 
 
 def test_an_include_shortcode_block_is_left_out(tmp_path):
     chapter = tmp_path / "chapter.qmd"
-    chapter.write_text('```{.python filename="code/x.py"}\n{{< include /code/x.py >}}\n```\n'
-                       '```{.python filename="code/y.py"}\nx = 1\n```\n', encoding="utf-8")
+    chapter.write_text(
+        '```{.python filename="code/x.py"}\n{{< include /code/x.py >}}\n```\n'
+        '```{.python filename="code/y.py"}\nx = 1\n```\n',
+        encoding="utf-8",
+    )
     assert shown_blocks(chapter) == [("code/y.py", "x = 1\n")]
 
 
@@ -55,7 +65,9 @@ def test_a_dedented_run_is_found_and_a_changed_line_is_not():
 
 
 def test_chapter_3_shows_the_trainer_step():
-    modules = {path for path, _ in shown_blocks(ROOT / "chapters" / "03-training-loop.qmd")}
+    modules = {
+        path for path, _ in shown_blocks(ROOT / "chapters" / "03-training-loop.qmd")
+    }
     assert "code/torchbook/train.py" in modules
 
 
@@ -68,4 +80,6 @@ def test_every_shown_block_is_a_run_of_its_module(chapter):
             stale.append(f"{module}: no such file")
         elif not is_verbatim_run(block, path.read_text(encoding="utf-8")):
             stale.append(f"{module}: block starting {block.splitlines()[0].strip()!r}")
-    assert not stale, f"{chapter.name} shows code that is not in the module as written: {stale}"
+    assert not stale, (
+        f"{chapter.name} shows code that is not in the module as written: {stale}"
+    )

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 
 from torchbook.chat import (
-    IGNORE_INDEX, ChatTemplate, PadCollate, chat_example, pack_documents, pack_examples, render_chat,
+    IGNORE_INDEX,
+    ChatTemplate,
+    PadCollate,
+    chat_example,
+    pack_documents,
+    pack_examples,
+    render_chat,
 )
 from torchbook.models import GPT, GPTConfig
 
@@ -35,10 +40,18 @@ def test_only_assistant_answers_and_their_end_marker_are_learned():
     template = ChatTemplate()
     example = chat_example(MESSAGES, char_encode, template)
     learned = "".join(chr(t) for t in example["labels"] if t != IGNORE_INDEX)
-    expected = "".join(m["content"] + template.end for m in MESSAGES if m["role"] == "assistant")
+    expected = "".join(
+        m["content"] + template.end for m in MESSAGES if m["role"] == "assistant"
+    )
     assert learned == expected
-    kept = [i for i, t in zip(example["input_ids"], example["labels"]) if t != IGNORE_INDEX]
-    assert kept == [t for t in example["labels"] if t != IGNORE_INDEX], "labels are not the tokens they sit on"
+    kept = [
+        i
+        for i, t in zip(example["input_ids"], example["labels"], strict=True)
+        if t != IGNORE_INDEX
+    ]
+    assert kept == [t for t in example["labels"] if t != IGNORE_INDEX], (
+        "labels are not the tokens they sit on"
+    )
 
 
 def test_unknown_role_is_refused_with_its_position():
@@ -52,7 +65,10 @@ def test_rendering_refuses_an_unknown_role_with_its_position():
 
 
 def test_padding_masks_attention_and_labels_of_the_pad_positions():
-    examples = [chat_example(MESSAGES[:2], char_encode), chat_example(MESSAGES[2:], char_encode)]
+    examples = [
+        chat_example(MESSAGES[:2], char_encode),
+        chat_example(MESSAGES[2:], char_encode),
+    ]
     batch = PadCollate(pad_id=0)(examples)
     lengths = [len(e["input_ids"]) for e in examples]
     assert batch["input_ids"].shape == (2, max(lengths))
@@ -61,11 +77,16 @@ def test_padding_masks_attention_and_labels_of_the_pad_positions():
         n = lengths[row]
         assert batch["input_ids"][row, :n].tolist() == example["input_ids"]
         assert batch["labels"][row, :n].tolist() == example["labels"]
-        assert (batch["labels"][row, n:] == IGNORE_INDEX).all() and (batch["input_ids"][row, n:] == 0).all()
+        assert (batch["labels"][row, n:] == IGNORE_INDEX).all() and (
+            batch["input_ids"][row, n:] == 0
+        ).all()
 
 
 def test_packing_keeps_every_token_in_order_and_reports_the_tail():
-    examples = [chat_example(MESSAGES[:2], char_encode), chat_example(MESSAGES[2:], char_encode)]
+    examples = [
+        chat_example(MESSAGES[:2], char_encode),
+        chat_example(MESSAGES[2:], char_encode),
+    ]
     packed = pack_examples(examples, block_size=16)
     stream = examples[0]["input_ids"] + examples[1]["input_ids"]
     blocks = packed["input_ids"]
@@ -84,17 +105,25 @@ def test_packing_refuses_data_shorter_than_one_block():
 def documents(lengths, seed=0, vocab_size=50):
     """Plain documents of the given lengths: every token is learned (labels = input_ids)."""
     generator = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    ids = [
+        torch.randint(0, vocab_size, (n,), generator=generator).tolist()
+        for n in lengths
+    ]
     return [{"input_ids": d, "labels": d} for d in ids]
 
 
 def test_pack_documents_keeps_each_example_whole_with_positions_from_0_and_next_token_targets():
-    examples = [chat_example(MESSAGES[:2], char_encode), chat_example(MESSAGES[2:], char_encode)] + documents((9, 30))
+    examples = [
+        chat_example(MESSAGES[:2], char_encode),
+        chat_example(MESSAGES[2:], char_encode),
+    ] + documents((9, 30))
     packed = pack_documents(examples, row_length=100)
     for index, example in enumerate(examples):
         row, columns = (packed["document_ids"] == index).nonzero(as_tuple=True)
         n = len(example["input_ids"])
-        assert len(set(row.tolist())) == 1 and columns.tolist() == list(range(columns[0], columns[0] + n))
+        assert len(set(row.tolist())) == 1 and columns.tolist() == list(
+            range(columns[0], columns[0] + n)
+        )
         at = (row[0], columns)
         assert packed["tokens"][at].tolist() == example["input_ids"]
         assert packed["position_ids"][at].tolist() == list(range(n))
@@ -105,28 +134,43 @@ def test_pack_documents_keeps_each_example_whole_with_positions_from_0_and_next_
 def test_pack_documents_fills_rows_first_fit_and_pads_the_rest():
     packed = pack_documents(documents((6, 5, 3, 4)), row_length=10, pad_id=7)
     # First fit: 6 and 3 share the first row, 5 and 4 the second; one pad ends each.
-    assert packed["document_ids"].tolist() == [[0] * 6 + [2] * 3 + [-1], [1] * 5 + [3] * 4 + [-1]]
+    assert packed["document_ids"].tolist() == [
+        [0] * 6 + [2] * 3 + [-1],
+        [1] * 5 + [3] * 4 + [-1],
+    ]
     padding = packed["document_ids"] == -1
-    assert (packed["tokens"][padding] == 7).all() and (packed["targets"][padding] == IGNORE_INDEX).all()
+    assert (packed["tokens"][padding] == 7).all() and (
+        packed["targets"][padding] == IGNORE_INDEX
+    ).all()
 
 
 def test_pack_documents_refuses_an_example_longer_than_a_row_naming_it():
-    with pytest.raises(ValueError, match=r"example 1 has 12 tokens, more than row_length=10"):
+    with pytest.raises(
+        ValueError, match=r"example 1 has 12 tokens, more than row_length=10"
+    ):
         pack_documents(documents((4, 12)), row_length=10)
 
 
 def per_document_losses(lengths=(7, 12, 5, 9, 3), row_length=16, mask=True):
     """Each document's mean loss packed (with or without the document mask) and alone, by a small GPT."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, block_size=row_length, n_layer=2, n_head=2, d_model=32)).eval()
+    model = GPT(
+        GPTConfig(vocab_size=50, block_size=row_length, n_layer=2, n_head=2, d_model=32)
+    ).eval()
     examples = documents(lengths)
     packed = pack_documents(examples, row_length=row_length)
     document_ids = packed["document_ids"] if mask else None
-    logits = model(packed["tokens"], position_ids=packed["position_ids"], document_ids=document_ids)
-    token_losses = F.cross_entropy(logits.flatten(0, 1), packed["targets"].flatten(), reduction="none")
+    logits = model(
+        packed["tokens"], position_ids=packed["position_ids"], document_ids=document_ids
+    )
+    token_losses = F.cross_entropy(
+        logits.flatten(0, 1), packed["targets"].flatten(), reduction="none"
+    )
     packed_losses, alone_losses = [], []
     for index, example in enumerate(examples):
-        learned = (packed["document_ids"].flatten() == index) & (packed["targets"].flatten() != IGNORE_INDEX)
+        learned = (packed["document_ids"].flatten() == index) & (
+            packed["targets"].flatten() != IGNORE_INDEX
+        )
         packed_losses.append(token_losses[learned].mean())
         ids = torch.tensor([example["input_ids"]])
         alone_losses.append(F.cross_entropy(model(ids)[0, :-1], ids[0, 1:]))
@@ -146,19 +190,31 @@ def test_without_the_document_mask_every_document_after_the_first_in_its_row_cha
     starts_a_row = torch.tensor([True, True, False, True, False])
     gap = (packed - alone).abs()
     assert (gap[starts_a_row] < 1e-6).all(), gap  # nothing before them to see
-    assert (gap[~starts_a_row] > 1e-4).all(), gap  # they attend to the documents before them
+    # they attend to the documents before them
+    assert (gap[~starts_a_row] > 1e-4).all(), gap
 
 
 def test_collate_output_trains_only_on_answers():
     # cross_entropy with the -100 labels equals the loss averaged over answer tokens alone
-    examples = [chat_example(MESSAGES[:2], char_encode), chat_example(MESSAGES[2:], char_encode)]
+    examples = [
+        chat_example(MESSAGES[:2], char_encode),
+        chat_example(MESSAGES[2:], char_encode),
+    ]
     batch = PadCollate(pad_id=0)(examples)
-    logits = torch.randn(*batch["labels"].shape, 128, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(
+        *batch["labels"].shape, 128, generator=torch.Generator().manual_seed(0)
+    )
     labels = batch["labels"]
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
     keep = labels.flatten() != IGNORE_INDEX
-    by_hand = -logits.flatten(0, 1)[keep].log_softmax(-1).gather(1, labels.flatten()[keep, None]).mean()
-    torch.testing.assert_close(loss, by_hand)  # same float32 ops, default tolerance is ample
+    by_hand = (
+        -logits.flatten(0, 1)[keep]
+        .log_softmax(-1)
+        .gather(1, labels.flatten()[keep, None])
+        .mean()
+    )
+    # same float32 ops, default tolerance is ample
+    torch.testing.assert_close(loss, by_hand)
 
 
 # -- the Hugging Face form: PreTrainedTokenizerFast and apply_chat_template ----------
@@ -169,12 +225,18 @@ def trained(tmp_path_factory):
     from torchbook.tokenizer import train_bpe
 
     path = tmp_path_factory.mktemp("text") / "text.txt"
-    path.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 30)
+    path.write_text(
+        "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 30
+    )
     return train_bpe([path], vocab_size=300)
 
 
 CONVERSATION = [
-    {"role": "user", "content": "What's {{ this }}?\n"},  # quotes, braces and a newline pass through unchanged
+    # quotes, braces and a newline pass through unchanged
+    {
+        "role": "user",
+        "content": "What's {{ this }}?\n",
+    },
     {"role": "assistant", "content": "A 'test'."},
     {"role": "user", "content": "Again"},
     {"role": "assistant", "content": "Yes"},
@@ -185,20 +247,26 @@ def test_apply_chat_template_renders_what_render_chat_renders(trained):
     from torchbook.hf import hf_tokenizer
 
     wrapped = hf_tokenizer(trained)
-    assert wrapped.apply_chat_template(CONVERSATION, tokenize=False) == render_chat(CONVERSATION)
+    assert wrapped.apply_chat_template(CONVERSATION, tokenize=False) == render_chat(
+        CONVERSATION
+    )
 
 
 def test_apply_chat_template_ids_are_the_book_tokenizers_ids(trained):
     from torchbook.hf import hf_tokenizer
 
-    ids = hf_tokenizer(trained).apply_chat_template(CONVERSATION, tokenize=True)["input_ids"]
+    ids = hf_tokenizer(trained).apply_chat_template(CONVERSATION, tokenize=True)[
+        "input_ids"
+    ]
     assert ids == trained.encode(render_chat(CONVERSATION)).ids
 
 
 def test_generation_prompt_ends_with_the_assistant_marker(trained):
     from torchbook.hf import hf_tokenizer
 
-    text = hf_tokenizer(trained).apply_chat_template(CONVERSATION[:1], tokenize=False, add_generation_prompt=True)
+    text = hf_tokenizer(trained).apply_chat_template(
+        CONVERSATION[:1], tokenize=False, add_generation_prompt=True
+    )
     assert text == render_chat(CONVERSATION[:1]) + ChatTemplate().assistant
 
 
@@ -208,7 +276,9 @@ def test_chat_template_refuses_an_unknown_role(trained):
     from torchbook.hf import hf_tokenizer
 
     with pytest.raises(TemplateError, match="message 1: role system"):
-        hf_tokenizer(trained).apply_chat_template([CONVERSATION[0], {"role": "system", "content": "x"}], tokenize=False)
+        hf_tokenizer(trained).apply_chat_template(
+            [CONVERSATION[0], {"role": "system", "content": "x"}], tokenize=False
+        )
 
 
 def test_wrapping_a_tokenizer_without_the_chat_tokens_is_refused(tmp_path):

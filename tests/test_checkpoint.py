@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.tensor_checks import assert_same_tensors, snapshot
 from torchbook import checkpoint as ckpt
 from torchbook.checkpoint import CheckpointError
 from torchbook.files import is_temporary
@@ -21,9 +22,9 @@ from torchbook.state_dicts import LISTED_KEYS, unwrap_model, unwrap_state_dict
 from torchbook.train import TrainConfig, Trainer
 from torchbook.weights import save_safetensors
 
-from tests.tensor_checks import assert_same_tensors, snapshot
-
-TINY_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.1)
+TINY_GPT = GPTConfig(
+    vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.1
+)
 
 
 def fresh_mlp(seed: int) -> TinyMLP:
@@ -49,7 +50,9 @@ def token_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp16_trainer(seed: int, **overrides) -> Trainer:
     """A tiny GPT (dropout on: draws from the global RNG) in fp16, so the scaler has a state too."""
-    settings = dict(max_steps=20, lr=1e-2, warmup_steps=2, precision="fp16", log_every=3)
+    settings = dict(
+        max_steps=20, lr=1e-2, warmup_steps=2, precision="fp16", log_every=3
+    )
     settings.update(overrides)
     return Trainer(fresh_gpt(seed), TrainConfig(**settings), torch.device("cpu"))
 
@@ -80,7 +83,8 @@ def test_saved_weights_load_with_plain_torch_load_weights_only(tmp_path):
 
 def test_compiled_model_weights_load_into_plain_model(tmp_path):
     original = fresh_mlp(0)
-    compiled = torch.compile(original)  # compiling happens at the first call; the wrapper exists now
+    # compiling happens at the first call; the wrapper exists now
+    compiled = torch.compile(original)
     assert all(key.startswith("_orig_mod.") for key in compiled.state_dict())
     torch.save(compiled.state_dict(), tmp_path / "compiled.pt")
     loaded = ckpt.load_weights(fresh_mlp(1), tmp_path / "compiled.pt")
@@ -102,14 +106,18 @@ def test_unwrap_keeps_a_submodule_called_module():
 
 def test_unwrap_removes_nested_wrapper_prefixes_and_finds_the_plain_module():
     model = fresh_mlp(0)
-    state = {f"module._orig_mod.{key}": value for key, value in model.state_dict().items()}
+    state = {
+        f"module._orig_mod.{key}": value for key, value in model.state_dict().items()
+    }
     assert list(unwrap_state_dict(state)) == list(model.state_dict())
     assert unwrap_model(torch.compile(model)) is model
 
 
 def test_architecture_mismatch_lists_keys_and_leaves_model_unchanged(tmp_path):
     ckpt.save_weights(fresh_gpt(0), tmp_path / "gpt.pt")
-    deeper = fresh_gpt(1, GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, d_model=32))
+    deeper = fresh_gpt(
+        1, GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, d_model=32)
+    )
     before = snapshot(deeper)
     with pytest.raises(CheckpointError) as caught:
         ckpt.load_weights(deeper, tmp_path / "gpt.pt")
@@ -121,18 +129,29 @@ def test_architecture_mismatch_lists_keys_and_leaves_model_unchanged(tmp_path):
 
 def test_shape_mismatch_is_refused_before_anything_is_copied(tmp_path):
     ckpt.save_weights(fresh_gpt(0), tmp_path / "gpt.pt")
-    wider_vocab = fresh_gpt(1, GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, d_model=32))
+    wider_vocab = fresh_gpt(
+        1, GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, d_model=32)
+    )
     before = snapshot(wider_vocab)
-    with pytest.raises(CheckpointError, match=r"token_embedding.weight: torch.float32 \(64, 32\) in the file, "
-                                              r"torch.float32 \(65, 32\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"token_embedding.weight: torch.float32 \(64, 32\) in the file, "
+        r"torch.float32 \(65, 32\)",
+    ):
         ckpt.load_weights(wider_vocab, tmp_path / "gpt.pt")
     # plain load_state_dict would have copied every tensor that fits before raising
     assert_same_tensors(snapshot(wider_vocab), before)
 
 
 def test_dtype_mismatch_is_refused(tmp_path):
-    torch.save({k: v.half() for k, v in fresh_mlp(0).state_dict().items()}, tmp_path / "half.pt")
-    with pytest.raises(CheckpointError, match=r"fc1.weight: torch.float16 \(16, 8\) in the file, torch.float32"):
+    torch.save(
+        {k: v.half() for k, v in fresh_mlp(0).state_dict().items()},
+        tmp_path / "half.pt",
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"fc1.weight: torch.float16 \(16, 8\) in the file, torch.float32",
+    ):
         ckpt.load_weights(fresh_mlp(1), tmp_path / "half.pt")
 
 
@@ -143,7 +162,9 @@ def test_truncated_checkpoint_is_refused_with_its_path(tmp_path):
     truncated.write_bytes(data[: len(data) // 2])
     model = fresh_mlp(1)
     before = snapshot(model)
-    with pytest.raises(CheckpointError, match=rf"{truncated}: truncated torch.save archive"):
+    with pytest.raises(
+        CheckpointError, match=rf"{truncated}: truncated torch.save archive"
+    ):
         ckpt.load_weights(model, truncated)
     assert_same_tensors(snapshot(model), before)
 
@@ -151,20 +172,28 @@ def test_truncated_checkpoint_is_refused_with_its_path(tmp_path):
 def test_empty_file_is_refused_with_its_path(tmp_path):
     path = tmp_path / "empty.pt"
     path.touch()
-    with pytest.raises(CheckpointError, match=rf"{path}: not a file written by torch.save .*: it is empty"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{path}: not a file written by torch.save .*: it is empty",
+    ):
         ckpt.load_weights(fresh_mlp(0), path)
 
 
 def test_text_file_is_refused_as_another_kind(tmp_path):
     path = tmp_path / "notes.pt"
     path.write_text("step 100: loss 2.31\n")
-    with pytest.raises(CheckpointError, match=rf"{path}: not a file written by torch.save"):
+    with pytest.raises(
+        CheckpointError, match=rf"{path}: not a file written by torch.save"
+    ):
         ckpt.load_weights(fresh_mlp(0), path)
 
 
 def test_safetensors_file_is_refused_by_the_torch_loader(tmp_path):
     path = save_safetensors(fresh_mlp(0), tmp_path / "weights.safetensors")
-    with pytest.raises(CheckpointError, match=rf"{path}: not a file written by torch.save .*: it is a safetensors"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{path}: not a file written by torch.save .*: it is a safetensors",
+    ):
         ckpt.load_weights(fresh_mlp(1), path)
 
 
@@ -180,9 +209,14 @@ class WritesMarkerWhenUnpickled:
 
 def test_crafted_pickle_is_refused_and_never_runs(tmp_path):
     marker = tmp_path / "code_ran"
-    torch.save({"weight": torch.zeros(2), "payload": WritesMarkerWhenUnpickled(marker)}, tmp_path / "evil.pt")
+    torch.save(
+        {"weight": torch.zeros(2), "payload": WritesMarkerWhenUnpickled(marker)},
+        tmp_path / "evil.pt",
+    )
     assert not marker.exists()
-    with pytest.raises(CheckpointError, match="refused by torch.load\\(weights_only=True\\)"):
+    with pytest.raises(
+        CheckpointError, match="refused by torch.load\\(weights_only=True\\)"
+    ):
         ckpt.read_torch_file(tmp_path / "evil.pt")
     assert not marker.exists(), "loading the crafted file ran its code"
     # the independent check that the payload is live: an unsafe load does run it
@@ -190,19 +224,22 @@ def test_crafted_pickle_is_refused_and_never_runs(tmp_path):
     assert marker.exists()
 
 
-
-
 # ----------------------------------------------------------------- errors on types and bytes, not on torch's wording
 
 
-def test_a_weights_only_refusal_is_recognised_by_its_type_whatever_its_wording(tmp_path, monkeypatch):
+def test_a_weights_only_refusal_is_recognised_by_its_type_whatever_its_wording(
+    tmp_path, monkeypatch
+):
     path = ckpt.save_weights(fresh_mlp(0), tmp_path / "weights.pt")
 
     def refuse(*args, **kwargs):
         raise pickle.UnpicklingError("some future wording of the refusal")
 
     monkeypatch.setattr(torch, "load", refuse)
-    with pytest.raises(CheckpointError, match=rf"{path}: refused by torch.load\(weights_only=True\).*future wording"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{path}: refused by torch.load\(weights_only=True\).*future wording",
+    ):
         ckpt.read_torch_file(path)
 
 
@@ -210,16 +247,22 @@ def test_bytes_damaged_inside_a_tensor_are_caught_by_the_archive_crc(tmp_path):
     path = ckpt.save_weights(fresh_gpt(0), tmp_path / "gpt.pt")
     data = bytearray(path.read_bytes())
     middle = len(data) // 2
-    data[middle:middle + 64] = bytes(64)  # zero 64 bytes inside a tensor's data
+    data[middle : middle + 64] = bytes(64)  # zero 64 bytes inside a tensor's data
     path.write_bytes(bytes(data))
-    torch.load(path, weights_only=True)  # the independent check: torch alone loads the damage silently
-    with pytest.raises(CheckpointError, match=rf"{path}: corrupt torch.save file \(member .*/data/\d+ fails its CRC"):
+    # the independent check: torch alone loads the damage silently
+    torch.load(path, weights_only=True)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{path}: corrupt torch.save file \(member .*/data/\d+ fails its CRC",
+    ):
         ckpt.read_torch_file(path)
 
 
 def test_mmap_load_gives_the_same_tensors(tmp_path):
     path = ckpt.save_weights(fresh_gpt(0), tmp_path / "gpt.pt")
-    assert_same_tensors(ckpt.read_torch_file(path, mmap=True), ckpt.read_torch_file(path))
+    assert_same_tensors(
+        ckpt.read_torch_file(path, mmap=True), ckpt.read_torch_file(path)
+    )
 
 
 # ----------------------------------------------------------------- training checkpoints
@@ -228,7 +271,9 @@ def test_mmap_load_gives_the_same_tensors(tmp_path):
 def test_load_weights_takes_the_model_weights_of_a_training_checkpoint(tmp_path):
     trainer = trained()
     path = ckpt.save_training_checkpoint(tmp_path, trainer.state_dict())
-    assert_same_tensors(snapshot(ckpt.load_weights(fresh_gpt(1), path)), snapshot(trainer.model))
+    assert_same_tensors(
+        snapshot(ckpt.load_weights(fresh_gpt(1), path)), snapshot(trainer.model)
+    )
 
 
 def test_weights_file_is_not_taken_for_a_training_checkpoint(tmp_path):
@@ -239,21 +284,37 @@ def test_weights_file_is_not_taken_for_a_training_checkpoint(tmp_path):
 
 def test_training_checkpoint_loads_with_plain_torch_load_weights_only(tmp_path):
     trainer = trained(steps=4)  # log_every=3: step 4 is pending
-    path = ckpt.save_training_checkpoint(tmp_path, trainer.state_dict(), data_state={"batches_consumed": 4},
-                                         model_config=SmallModelConfig())
+    path = ckpt.save_training_checkpoint(
+        tmp_path,
+        trainer.state_dict(),
+        data_state={"batches_consumed": 4},
+        model_config=SmallModelConfig(),
+    )
     state = torch.load(path, weights_only=True)
     assert state["model_config"] == {"hidden": 16}
     assert state["data"] == {"batches_consumed": 4}
     assert state["trainer"]["step"] + state["trainer"]["skipped_steps"] == 4
     assert state["trainer"]["config"]["precision"] == "fp16"
-    assert set(state["rng"]) == {"python", "numpy", "torch_cpu", "torch_cuda", "torch_mps"}
-    assert len(state["rng"]["numpy"][1]) == 624  # NumPy's key words as a list: weights_only refuses an ndarray
+    assert set(state["rng"]) == {
+        "python",
+        "numpy",
+        "torch_cpu",
+        "torch_cuda",
+        "torch_mps",
+    }
+    # NumPy's key words as a list: weights_only refuses an ndarray
+    assert len(state["rng"]["numpy"][1]) == 624
 
 
 def test_save_refuses_values_weights_only_cannot_load(tmp_path):
-    with pytest.raises(CheckpointError, match=r"not saved; torch.load\(weights_only=True\) could not read it back, "
-                                              r"as it holds .*numpy.ndarray"):
-        ckpt.save_training_checkpoint(tmp_path, trained().state_dict(), data_state={"order": np.arange(3)})
+    with pytest.raises(
+        CheckpointError,
+        match=r"not saved; torch.load\(weights_only=True\) could not read it back, "
+        r"as it holds .*numpy.ndarray",
+    ):
+        ckpt.save_training_checkpoint(
+            tmp_path, trained().state_dict(), data_state={"order": np.arange(3)}
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -262,7 +323,10 @@ def test_save_refuses_container_subclasses_that_weights_only_refuses(tmp_path):
 
     state = trained().state_dict()
     state["history"] = defaultdict(list)
-    with pytest.raises(CheckpointError, match=r"could not read it back, as it holds .*collections.defaultdict"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"could not read it back, as it holds .*collections.defaultdict",
+    ):
         ckpt.save_training_checkpoint(tmp_path, state)
     assert list(tmp_path.iterdir()) == []
 
@@ -273,14 +337,23 @@ def test_rng_state_round_trip_repeats_every_generator():
     assert ckpt.rng_state_problems(state) == ckpt.rng_device_problems(state) == []
     ckpt.restore_rng_state(state)
     again = (random.random(), np.random.rand(), torch.rand(3))
-    assert first[0] == again[0] and first[1] == again[1] and torch.equal(first[2], again[2])
+    assert (
+        first[0] == again[0]
+        and first[1] == again[1]
+        and torch.equal(first[2], again[2])
+    )
 
 
 def test_resume_continues_exactly_like_the_original_trainer(tmp_path):
     """Weights, optimizer moments, schedule, scaler, pending losses and RNG: the next steps match bit for bit."""
     trainer = trained(steps=4)
-    path, saved_step = ckpt.save_training_checkpoint(tmp_path, trainer.state_dict()), trainer.step
-    continued = [trainer.train_step([token_batch(10 + i)]).loss.item() for i in range(3)]
+    path, saved_step = (
+        ckpt.save_training_checkpoint(tmp_path, trainer.state_dict()),
+        trainer.step,
+    )
+    continued = [
+        trainer.train_step([token_batch(10 + i)]).loss.item() for i in range(3)
+    ]
     trainer.log()
 
     torch.manual_seed(12345)  # scramble the global RNG the checkpoint must restore
@@ -290,18 +363,26 @@ def test_resume_continues_exactly_like_the_original_trainer(tmp_path):
     replayed = [other.train_step([token_batch(10 + i)]).loss.item() for i in range(3)]
     other.log()
     assert replayed == continued
-    assert [(r["step"], r["loss"], r["lr"]) for r in other.history] == \
-        [(r["step"], r["loss"], r["lr"]) for r in trainer.history]
+    assert [(r["step"], r["loss"], r["lr"]) for r in other.history] == [
+        (r["step"], r["loss"], r["lr"]) for r in trainer.history
+    ]
     assert_same_tensors(snapshot(other.model), snapshot(trainer.model))
 
 
 def test_different_model_config_is_refused_and_nothing_is_loaded(tmp_path):
-    path = ckpt.save_training_checkpoint(tmp_path, trained().state_dict(), model_config=SmallModelConfig(16))
+    path = ckpt.save_training_checkpoint(
+        tmp_path, trained().state_dict(), model_config=SmallModelConfig(16)
+    )
     target = trained(seed=1)
     before = snapshot(target.model)
-    with pytest.raises(CheckpointError, match=rf"(?s){path}: cannot be restored; nothing was loaded.*"
-                                              r"hidden: 16 in the checkpoint, 32 now"):
-        ckpt.load_training_checkpoint(path, target, model_config=SmallModelConfig(hidden=32))
+    with pytest.raises(
+        CheckpointError,
+        match=rf"(?s){path}: cannot be restored; nothing was loaded.*"
+        r"hidden: 16 in the checkpoint, 32 now",
+    ):
+        ckpt.load_training_checkpoint(
+            path, target, model_config=SmallModelConfig(hidden=32)
+        )
     assert_same_tensors(snapshot(target.model), before)
 
 
@@ -309,7 +390,9 @@ def test_a_changed_learning_rate_is_applied_and_reported(tmp_path):
     path = ckpt.save_training_checkpoint(tmp_path, trained(lr=1e-2).state_dict())
     target = fp16_trainer(1, lr=3e-3)
     resumed = ckpt.load_training_checkpoint(path, target)
-    assert "lr: 0.01 in the checkpoint, 0.003 now" in resumed.config_changes(target.config)
+    assert "lr: 0.01 in the checkpoint, 0.003 now" in resumed.config_changes(
+        target.config
+    )
     assert target.scheduler.base_lrs == [3e-3, 3e-3]
 
 
@@ -317,9 +400,13 @@ def test_optimizer_of_another_shape_is_refused_before_the_model_changes(tmp_path
     path = ckpt.save_training_checkpoint(tmp_path, trained().state_dict())
     model = fresh_gpt(1)
     one_group = torch.optim.AdamW(model.parameters())
-    target = Trainer(model, TrainConfig(precision="fp16"), torch.device("cpu"), optimizer=one_group)
+    target = Trainer(
+        model, TrainConfig(precision="fp16"), torch.device("cpu"), optimizer=one_group
+    )
     before = snapshot(model)
-    with pytest.raises(CheckpointError, match=r"optimizer: 2 parameter groups in the state, 1 here"):
+    with pytest.raises(
+        CheckpointError, match=r"optimizer: 2 parameter groups in the state, 1 here"
+    ):
         ckpt.load_training_checkpoint(path, target)
     assert_same_tensors(snapshot(model), before)
 
@@ -341,54 +428,123 @@ def switched_off_scaler(state: dict) -> None:
 # One row per refusal class of the trust model (torchbook/checkpoint.py's docstring) that a file
 # with valid CRCs can still hit; truncation, bit rot and code-running pickles are tested above.
 DAMAGES = {
-    "format-version": (lambda s: s.update(format_version=2), r"not a training checkpoint this code reads"),
+    "format-version": (
+        lambda s: s.update(format_version=2),
+        r"not a training checkpoint this code reads",
+    ),
     "no-trainer": (lambda s: s.pop("trainer"), r"'trainer': NoneType, expected a dict"),
-    "trainer-not-a-dict": (lambda s: s.update(trainer=[1, 2]), r"'trainer': list, expected a dict"),
+    "trainer-not-a-dict": (
+        lambda s: s.update(trainer=[1, 2]),
+        r"'trainer': list, expected a dict",
+    ),
     "data-not-a-dict": (lambda s: s.update(data=[4]), r"'data': list, expected a dict"),
     "no-rng": (lambda s: s.pop("rng"), r"rng: not restorable"),
     "rng-missing-mps": (lambda s: s["rng"].pop("torch_mps"), r"rng: not restorable"),
-    "python-rng-short": (lambda s: s["rng"].update(python=(3, (1, 2, 3), None)), r"rng: not restorable"),
-    "numpy-rng-short": (lambda s: s["rng"]["numpy"].__setitem__(1, [0] * 5), r"rng: not restorable"),
-    "torch-rng-short": (lambda s: s["rng"].update(torch_cpu=torch.zeros(10, dtype=torch.uint8)), r"rng: not restorable"),
-    "no-optimizer": (lambda s: s["trainer"].pop("optimizer"), r"expected a dict with model, optimizer"),
-    "optimizer-none": (lambda s: s["trainer"].update(optimizer=None), r"optimizer: expected a dict with 'state'"),
-    "step-a-string": (lambda s: s["trainer"].update(step="3"), r"step: '3', expected an int"),
-    "history-none": (lambda s: s["trainer"].update(history=None), r"history: expected a list"),
-    "config-a-string": (lambda s: s["trainer"].update(config="lr=0.01"), r"config: expected a dict"),
-    "model-key-missing": (lambda s: s["trainer"]["model"].pop("lm_head.weight"), r"model: 1 missing keys"),
-    "optimizer-amsgrad": (lambda s: s["trainer"]["optimizer"]["param_groups"][0].update(amsgrad=True),
-                          r"amsgrad=True in the state, False here"),
-    "moment-shape": (lambda s: s["trainer"]["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)),
-                     r"'exp_avg' has shape \(3,\)"),
-    "scaler-off": (switched_off_scaler, r"scaler: loss scaling \(fp16\) is off in the state, on now"),
+    "python-rng-short": (
+        lambda s: s["rng"].update(python=(3, (1, 2, 3), None)),
+        r"rng: not restorable",
+    ),
+    "numpy-rng-short": (
+        lambda s: s["rng"]["numpy"].__setitem__(1, [0] * 5),
+        r"rng: not restorable",
+    ),
+    "torch-rng-short": (
+        lambda s: s["rng"].update(torch_cpu=torch.zeros(10, dtype=torch.uint8)),
+        r"rng: not restorable",
+    ),
+    "no-optimizer": (
+        lambda s: s["trainer"].pop("optimizer"),
+        r"expected a dict with model, optimizer",
+    ),
+    "optimizer-none": (
+        lambda s: s["trainer"].update(optimizer=None),
+        r"optimizer: expected a dict with 'state'",
+    ),
+    "step-a-string": (
+        lambda s: s["trainer"].update(step="3"),
+        r"step: '3', expected an int",
+    ),
+    "history-none": (
+        lambda s: s["trainer"].update(history=None),
+        r"history: expected a list",
+    ),
+    "config-a-string": (
+        lambda s: s["trainer"].update(config="lr=0.01"),
+        r"config: expected a dict",
+    ),
+    "model-key-missing": (
+        lambda s: s["trainer"]["model"].pop("lm_head.weight"),
+        r"model: 1 missing keys",
+    ),
+    "optimizer-amsgrad": (
+        lambda s: s["trainer"]["optimizer"]["param_groups"][0].update(amsgrad=True),
+        r"amsgrad=True in the state, False here",
+    ),
+    "moment-shape": (
+        lambda s: s["trainer"]["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)),
+        r"'exp_avg' has shape \(3,\)",
+    ),
+    "scaler-off": (
+        switched_off_scaler,
+        r"scaler: loss scaling \(fp16\) is off in the state, on now",
+    ),
 }
 
 
 def trainer_and_globals(target: Trainer) -> tuple:
     """Copies of everything a load could change: the trainer's state and the global generators."""
-    return (snapshot(target.model), copy.deepcopy(target.optimizer.state_dict()), target.scheduler.state_dict(),
-            target.step, list(target.history), target.scaler.get_scale(),
-            torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    return (
+        snapshot(target.model),
+        copy.deepcopy(target.optimizer.state_dict()),
+        target.scheduler.state_dict(),
+        target.step,
+        list(target.history),
+        target.scaler.get_scale(),
+        torch.get_rng_state(),
+        random.getstate(),
+        np.random.get_state()[1].copy(),
+    )
 
 
 def assert_unchanged(target: Trainer, before: tuple) -> None:
-    weights, optimizer_state, scheduler_state, step, history, scale, torch_rng, python_rng, numpy_keys = before
+    (
+        weights,
+        optimizer_state,
+        scheduler_state,
+        step,
+        history,
+        scale,
+        torch_rng,
+        python_rng,
+        numpy_keys,
+    ) = before
     assert_same_tensors(snapshot(target.model), weights)
     after = target.optimizer.state_dict()
     assert after["param_groups"] == optimizer_state["param_groups"]
     for index, entries in optimizer_state["state"].items():
         for key, value in entries.items():
-            assert torch.equal(after["state"][index][key], value), f"optimizer {index}.{key} changed"
+            assert torch.equal(after["state"][index][key], value), (
+                f"optimizer {index}.{key} changed"
+            )
     assert target.scheduler.state_dict() == scheduler_state
-    assert (target.step, target.history, target.scaler.get_scale()) == (step, history, scale)
-    assert torch.equal(torch.get_rng_state(), torch_rng) and random.getstate() == python_rng, "a generator changed"
+    assert (target.step, target.history, target.scaler.get_scale()) == (
+        step,
+        history,
+        scale,
+    )
+    assert (
+        torch.equal(torch.get_rng_state(), torch_rng)
+        and random.getstate() == python_rng
+    ), "a generator changed"
     assert (np.random.get_state()[1] == numpy_keys).all(), "NumPy's generator changed"
 
 
 @pytest.mark.parametrize("name", list(DAMAGES))
 def test_a_damaged_checkpoint_names_the_file_and_changes_nothing(tmp_path, name):
     damage, message = DAMAGES[name]
-    path = damaged(ckpt.save_training_checkpoint(tmp_path, trained(steps=4).state_dict()), damage)
+    path = damaged(
+        ckpt.save_training_checkpoint(tmp_path, trained(steps=4).state_dict()), damage
+    )
     target = trained(seed=1, steps=1)
     before = trainer_and_globals(target)
     with pytest.raises(CheckpointError, match=rf"(?s){path}: .*{message}"):
@@ -402,22 +558,31 @@ def truncate(path: Path) -> None:
 
 def rot_a_tensor(path: Path) -> None:
     data = bytearray(path.read_bytes())
-    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)  # inside the largest tensors' bytes
+    # inside the largest tensors' bytes
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
     path.write_bytes(bytes(data))
 
 
 def add_a_payload(path: Path) -> None:
     state = torch.load(path, weights_only=True)
-    state["trainer"]["history"].append(WritesMarkerWhenUnpickled(path.parent / "code_ran"))
+    state["trainer"]["history"].append(
+        WritesMarkerWhenUnpickled(path.parent / "code_ran")
+    )
     torch.save(state, path)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (truncate, r"truncated torch.save archive"),
-    (rot_a_tensor, r"corrupt torch.save file \(member .* fails its CRC"),
-    (add_a_payload, r"refused by torch.load\(weights_only=True\)"),
-], ids=["truncated", "bit-rot", "code-running-pickle"])
-def test_a_broken_or_crafted_training_checkpoint_changes_nothing(tmp_path, damage, message):
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (truncate, r"truncated torch.save archive"),
+        (rot_a_tensor, r"corrupt torch.save file \(member .* fails its CRC"),
+        (add_a_payload, r"refused by torch.load\(weights_only=True\)"),
+    ],
+    ids=["truncated", "bit-rot", "code-running-pickle"],
+)
+def test_a_broken_or_crafted_training_checkpoint_changes_nothing(
+    tmp_path, damage, message
+):
     path = ckpt.save_training_checkpoint(tmp_path, trained(steps=4).state_dict())
     damage(path)
     target = trained(seed=1, steps=1)
@@ -430,32 +595,44 @@ def test_a_broken_or_crafted_training_checkpoint_changes_nothing(tmp_path, damag
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_rng_states_on_a_machine_without_cuda_are_refused_before_loading(tmp_path):
-    path = damaged(ckpt.save_training_checkpoint(tmp_path, trained().state_dict()),
-                   lambda s: s["rng"].update(torch_cuda=[torch.zeros(16, dtype=torch.uint8)]))
+    path = damaged(
+        ckpt.save_training_checkpoint(tmp_path, trained().state_dict()),
+        lambda s: s["rng"].update(torch_cuda=[torch.zeros(16, dtype=torch.uint8)]),
+    )
     target = trained(seed=1)
     before = snapshot(target.model)
-    with pytest.raises(CheckpointError, match=r"rng\['torch_cuda'\]: states for 1 CUDA devices in the file, 0 here"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"rng\['torch_cuda'\]: states for 1 CUDA devices in the file, 0 here",
+    ):
         ckpt.load_training_checkpoint(path, target)
     assert_same_tensors(snapshot(target.model), before)
 
 
-@pytest.mark.skipif(torch.backends.mps.is_available(), reason="needs a machine without MPS")
+@pytest.mark.skipif(
+    torch.backends.mps.is_available(), reason="needs a machine without MPS"
+)
 def test_an_mps_rng_state_on_a_machine_without_mps_is_refused():
     state = ckpt.capture_rng_state()
     state["torch_mps"] = torch.zeros(16, dtype=torch.uint8)
     assert ckpt.rng_state_problems(state) == []  # the states themselves are fine
     assert ckpt.rng_device_problems(state) == [
-        "rng['torch_mps']: an MPS state in the file, no MPS device here"]
+        "rng['torch_mps']: an MPS state in the file, no MPS device here"
+    ]
 
 
 def test_a_bad_rng_state_is_found_by_checking_before_any_generator_changes():
     state = ckpt.capture_rng_state()
-    state["torch_cpu"] = torch.zeros(3, dtype=torch.uint8)  # torch's generator would refuse it last
+    # torch's generator would refuse it last
+    state["torch_cpu"] = torch.zeros(3, dtype=torch.uint8)
     random.seed(1)
     expected = random.getstate()
     problems = ckpt.rng_state_problems(state)
-    assert len(problems) == 1 and problems[0].startswith("rng: not restorable"), problems
-    assert random.getstate() == expected  # Python's generator, restored first otherwise, is untouched
+    assert len(problems) == 1 and problems[0].startswith("rng: not restorable"), (
+        problems
+    )
+    # Python's generator, restored first otherwise, is untouched
+    assert random.getstate() == expected
 
 
 # ----------------------------------------------------------------- rotation
@@ -466,7 +643,9 @@ def test_keep_last_deletes_only_older_checkpoints(tmp_path):
     for _ in range(4):
         ckpt.save_training_checkpoint(tmp_path, trainer.state_dict(), keep_last=2)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [
-        ckpt.checkpoint_name(3, trainer.step), ckpt.checkpoint_name(4, trainer.step)]
+        ckpt.checkpoint_name(3, trainer.step),
+        ckpt.checkpoint_name(4, trainer.step),
+    ]
 
 
 def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
@@ -493,19 +672,25 @@ def test_a_folder_named_like_a_checkpoint_is_neither_listed_nor_deleted(tmp_path
     impostor.mkdir()
     path = ckpt.save_training_checkpoint(tmp_path, trained().state_dict(), keep_last=1)
     assert ckpt.list_checkpoints(tmp_path) == [path] and impostor.is_dir()
-    assert path.name == ckpt.checkpoint_name(51, 2), "the sequence still passes every name in the folder"
+    assert path.name == ckpt.checkpoint_name(51, 2), (
+        "the sequence still passes every name in the folder"
+    )
 
 
 @pytest.mark.parametrize("keep_last", [0, True, 2.0])
 def test_keep_last_must_be_a_positive_int(tmp_path, keep_last):
     with pytest.raises(CheckpointError, match=rf"{tmp_path}: keep_last={keep_last!r}"):
-        ckpt.save_training_checkpoint(tmp_path, trained().state_dict(), keep_last=keep_last)
+        ckpt.save_training_checkpoint(
+            tmp_path, trained().state_dict(), keep_last=keep_last
+        )
 
 
 def test_temporary_file_is_never_listed_as_a_checkpoint(tmp_path):
     (tmp_path / f".{ckpt.checkpoint_name(9, 9)}.tmp-abc123").write_bytes(b"partial")
     (tmp_path / ckpt.checkpoint_name(3, 3)).write_bytes(b"")
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [ckpt.checkpoint_name(3, 3)]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [
+        ckpt.checkpoint_name(3, 3)
+    ]
 
 
 def test_a_successful_save_removes_leftover_temporaries(tmp_path):
@@ -522,36 +707,53 @@ def full_disk(kind: str):
     def save(obj, destination, *args, **kwargs):
         Path(destination).write_bytes(b"PK\x03\x04 the first bytes")
         if kind == "torch":  # what torch.save raises when its writer hits ENOSPC
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4416 vs 4310")
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:672] . unexpected pos 4416 vs 4310"
+            )
         raise OSError(errno.ENOSPC, "No space left on device")
+
     return save
 
 
 @pytest.mark.parametrize("kind", ["torch", "oserror"])
-def test_a_full_disk_during_a_checkpoint_names_the_file_and_keeps_the_previous_one(tmp_path, monkeypatch, kind):
+def test_a_full_disk_during_a_checkpoint_names_the_file_and_keeps_the_previous_one(
+    tmp_path, monkeypatch, kind
+):
     trainer = trained()
     previous = ckpt.save_training_checkpoint(tmp_path, trainer.state_dict())
     monkeypatch.setattr(torch, "save", full_disk(kind))
-    with pytest.raises(CheckpointError, match=rf"{tmp_path}/{ckpt.checkpoint_name(2, trainer.step)}: "
-                                              r"could not be written .*disk full"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{tmp_path}/{ckpt.checkpoint_name(2, trainer.step)}: "
+        r"could not be written .*disk full",
+    ):
         ckpt.save_training_checkpoint(tmp_path, trainer.state_dict(), keep_last=1)
     monkeypatch.undo()
-    assert sorted(tmp_path.iterdir()) == [previous], "the previous checkpoint stays; no temporary is left"
+    assert sorted(tmp_path.iterdir()) == [previous], (
+        "the previous checkpoint stays; no temporary is left"
+    )
     assert not any(is_temporary(path) for path in tmp_path.iterdir())
     assert ckpt.read_training_checkpoint(previous).trainer["step"] == trainer.step
 
 
 def test_a_full_disk_during_save_weights_names_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "save", full_disk("torch"))
-    with pytest.raises(CheckpointError, match=rf"{tmp_path / 'w.pt'}: could not be written"):
+    with pytest.raises(
+        CheckpointError, match=rf"{tmp_path / 'w.pt'}: could not be written"
+    ):
         ckpt.save_weights(fresh_mlp(0), tmp_path / "w.pt")
 
 
 def test_a_long_list_of_missing_keys_is_cut_short_with_its_count(tmp_path):
     ckpt.save_weights(fresh_gpt(0), tmp_path / "gpt.pt")
-    much_deeper = fresh_gpt(1, GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=2, d_model=32))
+    much_deeper = fresh_gpt(
+        1, GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=2, d_model=32)
+    )
     missing = 6 * 12  # six extra blocks of 12 tensors each
-    with pytest.raises(CheckpointError, match=rf"{missing} missing keys: .* and {missing - LISTED_KEYS} more"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{missing} missing keys: .* and {missing - LISTED_KEYS} more",
+    ):
         ckpt.load_weights(much_deeper, tmp_path / "gpt.pt")
 
 
@@ -564,5 +766,7 @@ def test_an_optimizer_flag_saved_as_none_loads_where_the_live_one_is_a_bool(tmp_
     target = trained(seed=1, steps=1)
     for group in target.optimizer.param_groups:
         group["foreach"] = False
-    ckpt.load_training_checkpoint(ckpt.save_training_checkpoint(tmp_path, state), target)
+    ckpt.load_training_checkpoint(
+        ckpt.save_training_checkpoint(tmp_path, state), target
+    )
     assert target.step == 2

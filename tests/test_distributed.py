@@ -6,7 +6,6 @@ goes through ``examples/launching.py``, which kills every process of the job
 on a timeout or a failure, so a failing test leaves no workers.
 """
 
-import itertools
 import json
 import os
 import sys
@@ -18,23 +17,35 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchbook.data import StreamConfig, TokenStream, write_shards
-from torchbook.cache import shakespeare_path
-from torchbook.data import read_shards
+from torchbook.data import StreamConfig, TokenStream, read_shards, write_shards
 from torchbook.distributed import backend_for, local_bytes, mean_over_ranks, rank_slice
+from torchbook.download import shakespeare_path
 from torchbook.models import GPT, GPTConfig
 from torchbook.profiles import active_profile
 from torchbook.train import IGNORE_INDEX, TrainConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from launching import (LaunchError, free_port, launch, launch_together, torchrun_command,  # noqa: E402
-                       torchrun_node_command)
+from launching import (  # noqa: E402
+    LaunchError,
+    free_port,
+    launch,
+    launch_together,
+    torchrun_command,
+    torchrun_node_command,
+)
 
 STEPS, ACCUM, ROWS, BLOCK = 4, 2, 8, 16
 MODEL = dict(vocab_size=64, block_size=BLOCK, n_layer=2, n_head=2, d_model=32)
 LR = 3e-3
-TRAIN = dict(max_steps=STEPS, lr=LR, min_lr=LR / 10, warmup_steps=1, accum_steps=ACCUM, log_every=1)
+TRAIN = dict(
+    max_steps=STEPS,
+    lr=LR,
+    min_lr=LR / 10,
+    warmup_steps=1,
+    accum_steps=ACCUM,
+    log_every=1,
+)
 SEED = 3
 JOB_TIMEOUT_S = 240  # the job takes ~20 s on 2 busy cores; a hung collective is killed long before pytest's
 
@@ -45,7 +56,9 @@ def global_batches() -> dict:
     shape = (STEPS, ACCUM, ROWS, BLOCK)
     x = torch.randint(0, MODEL["vocab_size"], shape, generator=generator)
     y = torch.randint(0, MODEL["vocab_size"], shape, generator=generator)
-    ignore_rate = torch.where(torch.arange(ROWS) < ROWS // 2, 0.1, 0.7).view(1, 1, ROWS, 1)
+    ignore_rate = torch.where(torch.arange(ROWS) < ROWS // 2, 0.1, 0.7).view(
+        1, 1, ROWS, 1
+    )
     y[torch.rand(shape, generator=generator) < ignore_rate] = IGNORE_INDEX
     return {"x": x, "y": y, "model": MODEL, "train": TRAIN, "seed": SEED}
 
@@ -55,8 +68,12 @@ def one_process_run(data: dict) -> tuple[dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(data["seed"])
     model = GPT(GPTConfig(**data["model"]))
     trainer = Trainer(model, TrainConfig(**data["train"]), "cpu")
-    norms = [trainer.train_step([(data["x"][step, k], data["y"][step, k]) for k in range(ACCUM)]).grad_norm.item()
-             for step in range(STEPS)]
+    norms = [
+        trainer.train_step(
+            [(data["x"][step, k], data["y"][step, k]) for k in range(ACCUM)]
+        ).grad_norm.item()
+        for step in range(STEPS)
+    ]
     return model.state_dict(), norms
 
 
@@ -65,8 +82,14 @@ def two_rank_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("parallel")
     data = global_batches()
     torch.save(data, folder / "batches.pt")
-    launch(torchrun_command(ROOT / "examples" / "parallel_checks.py",
-                            ["--batches", folder / "batches.pt", "--out", folder]), timeout_s=JOB_TIMEOUT_S, cwd=ROOT)
+    launch(
+        torchrun_command(
+            ROOT / "examples" / "parallel_checks.py",
+            ["--batches", folder / "batches.pt", "--out", folder],
+        ),
+        timeout_s=JOB_TIMEOUT_S,
+        cwd=ROOT,
+    )
     return folder, data
 
 
@@ -104,30 +127,45 @@ def test_fsdp_loss_equals_ddp_loss(two_rank_run):
     # reduce-scatter and all-reduce sum in different orders: float32 rounding, ~1e-7 relative
     np.testing.assert_allclose(fsdp, ddp, rtol=1e-5)
     assert results["fsdp_parameter"]["type"] == "DTensor"
-    assert results["fsdp_parameter"]["local_shape"][0] * 2 == results["fsdp_parameter"]["global_shape"][0]
+    assert (
+        results["fsdp_parameter"]["local_shape"][0] * 2
+        == results["fsdp_parameter"]["global_shape"][0]
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process is the intent
+# one process is the intent
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_checkpoint_of_two_ranks_loads_into_one_process_unchanged(two_rank_run):
     folder, data = two_rank_run
-    gathered = torch.load(folder / "fsdp_full.pt", weights_only=True)  # FSDP2's own gather, on rank 0
+    # FSDP2's own gather, on rank 0
+    gathered = torch.load(folder / "fsdp_full.pt", weights_only=True)
     model = GPT(GPTConfig(**data["model"]))
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=folder / "dcp", no_dist=True)  # one process reads every shard
+    # one process reads every shard
+    dcp.load(state, checkpoint_id=folder / "dcp", no_dist=True)
     model.load_state_dict(state["model"])
     for name, tensor in model.state_dict().items():
-        assert torch.equal(tensor, gathered[name]), f"{name} changed in the DCP round trip"
+        assert torch.equal(tensor, gathered[name]), (
+            f"{name} changed in the DCP round trip"
+        )
 
 
 def test_rank_split_serves_every_block_once(tmp_path):
-    paths = write_shards(np.arange(1000) % 50, tmp_path, 50, "test", tokens_per_shard=300)
+    paths = write_shards(
+        np.arange(1000) % 50, tmp_path, 50, "test", tokens_per_shard=300
+    )
     seen = []
     for rank in range(2):
-        stream = TokenStream(paths, StreamConfig(block_size=8, batch_size=4, seed=5, rank=rank, world_size=2))
+        stream = TokenStream(
+            paths,
+            StreamConfig(block_size=8, batch_size=4, seed=5, rank=rank, world_size=2),
+        )
         seen.extend(stream.rank_batches(epoch=0).ravel().tolist())
     used = stream.batches_per_epoch * 2 * 4
-    assert len(seen) == len(set(seen)) == used, "a block was served twice or a batch is missing"
+    assert len(seen) == len(set(seen)) == used, (
+        "a block was served twice or a batch is missing"
+    )
     assert stream.num_blocks - used == stream.dropped_blocks_per_epoch
 
 
@@ -137,7 +175,11 @@ def test_rank_slice_refuses_a_global_batch_that_does_not_split_evenly():
 
 
 def test_backend_is_nccl_on_cuda_and_gloo_on_the_cpu():
-    assert (backend_for("cuda"), backend_for(torch.device("cuda", 1)), backend_for("cpu")) == ("nccl", "nccl", "gloo")
+    assert (
+        backend_for("cuda"),
+        backend_for(torch.device("cuda", 1)),
+        backend_for("cpu"),
+    ) == ("nccl", "nccl", "gloo")
 
 
 def test_mean_over_ranks_without_a_process_group_is_the_value_itself():
@@ -157,7 +199,10 @@ def test_local_bytes_counts_parameters_and_both_adamw_moments():
 
 def test_launch_reports_a_failed_command_with_its_output():
     with pytest.raises(LaunchError, match=r"exited with code 3(.|\n)*the reason"):
-        launch([sys.executable, "-c", "import sys; print('the reason'); sys.exit(3)"], timeout_s=60)
+        launch(
+            [sys.executable, "-c", "import sys; print('the reason'); sys.exit(3)"],
+            timeout_s=60,
+        )
 
 
 def _alive(pid: int) -> bool:
@@ -179,10 +224,12 @@ def _reads(cmdline: Path, text: str) -> bool:
 
 def test_launch_kills_children_of_a_job_that_runs_past_its_timeout(tmp_path):
     pid_file = tmp_path / "child.pid"
-    script = ("import subprocess, sys, time\n"
-              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-              f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
-              "time.sleep(600)\n")
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(600)\n"
+    )
     with pytest.raises(LaunchError, match="ran past"):
         launch([sys.executable, "-c", script], timeout_s=3)
     child = int(pid_file.read_text())
@@ -202,49 +249,96 @@ def test_a_failing_rank_ends_the_whole_job_with_its_error(tmp_path):
         "        raise RuntimeError('rank 1 fails on purpose')\n"
         "    dist.barrier()  # rank 0 waits for a rank that will never come\n"
         "finally:\n"
-        "    cleanup_distributed()\n")
+        "    cleanup_distributed()\n"
+    )
     started = time.monotonic()
     with pytest.raises(LaunchError) as failure:
         launch(torchrun_command(script), timeout_s=JOB_TIMEOUT_S, cwd=ROOT)
     assert "rank 1 fails on purpose" in str(failure.value)
     assert time.monotonic() - started < JOB_TIMEOUT_S
-    leftover = [cmdline.parent.name for cmdline in Path("/proc").glob("[0-9]*/cmdline")
-                if _reads(cmdline, str(script))]
+    leftover = [
+        cmdline.parent.name
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline")
+        if _reads(cmdline, str(script))
+    ]
     assert not leftover, f"workers {leftover} outlived the failed job"
 
 
 def test_a_job_whose_workers_hang_ends_at_its_timeout_with_no_process_left(tmp_path):
     # torchrun starts each worker in a session of its own: killing torchrun's group would miss them.
     script = tmp_path / "hangs.py"
-    script.write_text("import os, time\nprint('worker', os.getpid(), flush=True)\ntime.sleep(600)\n")
+    script.write_text(
+        "import os, time\nprint('worker', os.getpid(), flush=True)\ntime.sleep(600)\n"
+    )
     started = time.monotonic()
     with pytest.raises(LaunchError, match="ran past 15 s") as failure:
         launch(torchrun_command(script, nproc=2), timeout_s=15)
     waited = time.monotonic() - started
-    workers = [int(word) for line in str(failure.value).splitlines() if line.startswith("worker")
-               for word in line.split()[1:]]
+    workers = [
+        int(word)
+        for line in str(failure.value).splitlines()
+        if line.startswith("worker")
+        for word in line.split()[1:]
+    ]
     assert len(workers) == 2, f"expected both workers to have started:\n{failure.value}"
-    assert waited < 15 + 10, f"launch returned {waited:.0f} s after a 15 s timeout"  # ps and the kills take ~1 s
-    assert not [pid for pid in workers if _alive(pid)], "a worker outlived its timed-out job"
-    assert not [cmdline.parent.name for cmdline in Path("/proc").glob("[0-9]*/cmdline")
-                if _reads(cmdline, str(script))], "a process of the job is still running"
+    # ps and the kills take ~1 s
+    assert waited < 15 + 10, f"launch returned {waited:.0f} s after a 15 s timeout"
+    assert not [pid for pid in workers if _alive(pid)], (
+        "a worker outlived its timed-out job"
+    )
+    assert not [
+        cmdline.parent.name
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline")
+        if _reads(cmdline, str(script))
+    ], "a process of the job is still running"
 
 
 def _single_process_ddp_reference(shards: list[Path]) -> dict[str, torch.Tensor]:
     """train_ddp.py's run in one process: each micro-batch is both ranks' batches side by side."""
     sizes, seed = active_profile().devices, active_profile().seed
-    streams = [iter(TokenStream(shards, StreamConfig(block_size=sizes.block_size, batch_size=sizes.micro_batch_size,
-                                                     seed=1, rank=rank, world_size=2, epochs=None)))
-               for rank in range(2)]
+    streams = [
+        iter(
+            TokenStream(
+                shards,
+                StreamConfig(
+                    block_size=sizes.block_size,
+                    batch_size=sizes.micro_batch_size,
+                    seed=1,
+                    rank=rank,
+                    world_size=2,
+                    epochs=None,
+                ),
+            )
+        )
+        for rank in range(2)
+    ]
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=sizes.vocab_size, block_size=sizes.block_size, n_layer=sizes.n_layer,
-                          n_head=sizes.n_head, d_model=sizes.d_model))
-    config = TrainConfig(max_steps=sizes.ddp_steps, lr=sizes.lr, min_lr=sizes.lr / 10, warmup_steps=2,
-                         accum_steps=sizes.accum_steps, log_every=sizes.ddp_steps // 3)
+    model = GPT(
+        GPTConfig(
+            vocab_size=sizes.vocab_size,
+            block_size=sizes.block_size,
+            n_layer=sizes.n_layer,
+            n_head=sizes.n_head,
+            d_model=sizes.d_model,
+        )
+    )
+    config = TrainConfig(
+        max_steps=sizes.ddp_steps,
+        lr=sizes.lr,
+        min_lr=sizes.lr / 10,
+        warmup_steps=2,
+        accum_steps=sizes.accum_steps,
+        log_every=sizes.ddp_steps // 3,
+    )
     trainer = Trainer(model, config, "cpu")
     for _ in range(sizes.ddp_steps):
-        micro_batches = [tuple(torch.cat(parts) for parts in zip(*(next(stream) for stream in streams)))
-                         for _ in range(sizes.accum_steps)]
+        micro_batches = [
+            tuple(
+                torch.cat(parts)
+                for parts in zip(*(next(stream) for stream in streams), strict=False)
+            )
+            for _ in range(sizes.accum_steps)
+        ]
         trainer.train_step(micro_batches)
     return model.state_dict()
 
@@ -253,14 +347,33 @@ def _single_process_ddp_reference(shards: list[Path]) -> dict[str, torch.Tensor]
 def test_train_ddp_as_two_nodes_matches_one_process(tmp_path):
     # Two torchrun commands, one per "node", meet at a c10d rendezvous: no --standalone.
     text = np.frombuffer(shakespeare_path().read_bytes(), dtype=np.uint8)
-    shards = write_shards(text, tmp_path / "shards", 256, "bytes", tokens_per_shard=len(text) // 2 + 1)
+    write_shards(
+        text, tmp_path / "shards", 256, "bytes", tokens_per_shard=len(text) // 2 + 1
+    )
     port = free_port()
-    arguments = ["--shards", tmp_path / "shards", "--out", tmp_path / "out", "--device", "cpu"]
-    launch_together([torchrun_node_command(ROOT / "examples" / "train_ddp.py", arguments, node_rank, 2, port)
-                     for node_rank in (0, 1)], timeout_s=JOB_TIMEOUT_S, cwd=ROOT)
+    arguments = [
+        "--shards",
+        tmp_path / "shards",
+        "--out",
+        tmp_path / "out",
+        "--device",
+        "cpu",
+    ]
+    launch_together(
+        [
+            torchrun_node_command(
+                ROOT / "examples" / "train_ddp.py", arguments, node_rank, 2, port
+            )
+            for node_rank in (0, 1)
+        ],
+        timeout_s=JOB_TIMEOUT_S,
+        cwd=ROOT,
+    )
     ddp = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["model"]
     reference = _single_process_ddp_reference(read_shards(tmp_path / "shards"))
     sizes = active_profile().devices
     worst = max((ddp[name] - reference[name]).abs().max().item() for name in reference)
     # The chapter's tolerance: 1% of lr x steps, the farthest a weight can move (see the first test).
-    assert worst <= 0.01 * sizes.lr * sizes.ddp_steps, f"two nodes and one process differ by {worst:.3g}"
+    assert worst <= 0.01 * sizes.lr * sizes.ddp_steps, (
+        f"two nodes and one process differ by {worst:.3g}"
+    )

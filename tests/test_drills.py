@@ -165,7 +165,15 @@ def checked(number: int, namespace: dict, **changes) -> str:
 
 def test_notebook_has_no_quarto_syntax_and_gives_no_solutions_away():
     text = json.dumps(exercise_notebook(ROOT / SOURCE))
-    for forbidden in ("{python}", "@sec-", ":::", "{#sec-", "torchbook.lab", "drill_1(", "Solutions"):
+    for forbidden in (
+        "{python}",
+        "@sec-",
+        ":::",
+        "{#sec-",
+        "torchbook.lab",
+        "drill_1(",
+        "Solutions",
+    ):
         assert forbidden not in text, f"the notebook contains {forbidden!r}"
 
 
@@ -173,6 +181,7 @@ def test_notebook_opens_with_the_chapters_setup_cell():
     cells = exercise_notebook(ROOT / SOURCE)["cells"]
     sys.path.insert(0, str(ROOT / "tools"))
     from qmd_notebook import SETUP_CODE
+
     assert cells[1]["cell_type"] == "code" and cells[1]["source"] == SETUP_CODE
 
 
@@ -184,7 +193,11 @@ def test_source_with_quarto_syntax_is_refused_with_its_line(tmp_path):
 
 
 def test_drill_without_its_check_cell_is_refused(tmp_path):
-    text = (ROOT / SOURCE).read_text(encoding="utf-8").replace("check(3, globals())", "print('done')")
+    text = (
+        (ROOT / SOURCE)
+        .read_text(encoding="utf-8")
+        .replace("check(3, globals())", "print('done')")
+    )
     source = tmp_path / "drills.md"
     source.write_text(text)
     with pytest.raises(QmdError, match="the TODO of drill 3 is not followed by check"):
@@ -193,9 +206,16 @@ def test_drill_without_its_check_cell_is_refused(tmp_path):
 
 def test_command_writes_the_notebook_it_is_given(tmp_path):
     target = tmp_path / "chapters" / "pytorch_drills.ipynb"
-    subprocess.run([sys.executable, str(ROOT / "tools" / "drills_notebook.py"), str(target)], cwd=ROOT,
-                   check=True, capture_output=True)
-    assert json.loads(target.read_text())["cells"] == exercise_notebook(ROOT / SOURCE)["cells"]
+    subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "drills_notebook.py"), str(target)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    assert (
+        json.loads(target.read_text())["cells"]
+        == exercise_notebook(ROOT / SOURCE)["cells"]
+    )
 
 
 def test_the_chapter_links_the_file_the_pre_render_step_writes():
@@ -235,15 +255,26 @@ def test_correct_answers_pass_every_check(solved):
         assert outputs[number].startswith(f"drill {number} passed"), outputs[number]
 
 
-def twenty_steps(namespace: dict, seed: int, micro_batches: int, divide: bool = True,
-                 zero_grad: bool = True) -> dict:
+def twenty_steps(
+    namespace: dict,
+    seed: int,
+    micro_batches: int,
+    divide: bool = True,
+    zero_grad: bool = True,
+) -> dict:
     """Weights after 20 AdamW steps of batches of 128 split into ``micro_batches``, with the notebook's data."""
     model = namespace["make_mlp"](seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = namespace["resident_batches"](namespace["train_images"], namespace["train_labels"], 128,
-                                            torch.Generator().manual_seed(seed))
-    for _, (images, labels) in zip(range(20), batches):
-        for x, y in zip(images.chunk(micro_batches), labels.chunk(micro_batches)):
+    batches = namespace["resident_batches"](
+        namespace["train_images"],
+        namespace["train_labels"],
+        128,
+        torch.Generator().manual_seed(seed),
+    )
+    for _, (images, labels) in zip(range(20), batches, strict=False):
+        for x, y in zip(
+            images.chunk(micro_batches), labels.chunk(micro_batches), strict=True
+        ):
             loss = F.cross_entropy(model(x), y)
             (loss / micro_batches if divide else loss).backward()
         optimizer.step()
@@ -256,7 +287,13 @@ def twenty_steps(namespace: dict, seed: int, micro_batches: int, divide: bool = 
 def test_correct_accumulation_passes_whatever_the_seed(unsolved, seed):
     """Float32 rounding differs from seed to seed; the drill-4 rule must hold for each, not for one lucky seed."""
     namespace, _ = unsolved
-    message = check_drill_4(twenty_steps(namespace, seed, 1), twenty_steps(namespace, seed, 4), 20, 0.98, 0.98)
+    message = check_drill_4(
+        twenty_steps(namespace, seed, 1),
+        twenty_steps(namespace, seed, 4),
+        20,
+        0.98,
+        0.98,
+    )
     assert message.startswith("drill 4 passed"), message
 
 
@@ -267,7 +304,10 @@ def test_correct_accumulation_passes_whatever_the_seed(unsolved, seed):
 def test_drill_1_names_an_initial_state_that_aliases_the_model(solved):
     namespace, _ = solved
     printed = checked(1, namespace, initial_state=namespace["model"].state_dict())
-    assert "initial_state holds the model's own tensors" in printed and "clone()" in printed
+    assert (
+        "initial_state holds the model's own tensors" in printed
+        and "clone()" in printed
+    )
 
 
 @pytest.mark.slow
@@ -275,27 +315,40 @@ def test_drill_1_names_a_missing_zero_grad(solved):
     namespace, _ = solved
     model = namespace["make_mlp"](0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = namespace["resident_batches"](namespace["train_images"], namespace["train_labels"], 128,
-                                            torch.Generator().manual_seed(0))
-    for _, (images, labels) in zip(range(100), batches):
+    batches = namespace["resident_batches"](
+        namespace["train_images"],
+        namespace["train_labels"],
+        128,
+        torch.Generator().manual_seed(0),
+    )
+    for _, (images, labels) in zip(range(100), batches, strict=False):
         F.cross_entropy(model(images), labels).backward()
         optimizer.step()  # no zero_grad: every step adds to all earlier gradients
     printed = checked(1, namespace, model=model, optimizer=optimizer)
-    assert "below the 97% target" in printed and "is optimizer.zero_grad() called every step?" in printed
+    assert (
+        "below the 97% target" in printed
+        and "is optimizer.zero_grad() called every step?" in printed
+    )
 
 
 @pytest.mark.slow
 def test_drill_1_counts_a_fourth_epoch_and_an_optimizer_of_another_model(solved):
     namespace, _ = solved
-    model, optimizer = copy.deepcopy((namespace["model"], namespace["optimizer"]))  # keeps them paired
-    for images, labels in namespace["resident_batches"](namespace["train_images"], namespace["train_labels"], 128):
+    # keeps them paired
+    model, optimizer = copy.deepcopy((namespace["model"], namespace["optimizer"]))
+    for images, labels in namespace["resident_batches"](
+        namespace["train_images"], namespace["train_labels"], 128
+    ):
         F.cross_entropy(model(images), labels).backward()
         optimizer.step()
         optimizer.zero_grad()
     assert "1,876 steps, 4.0 epochs at batch size 128; the drill allows 3" in checked(
-        1, namespace, model=model, optimizer=optimizer)
+        1, namespace, model=model, optimizer=optimizer
+    )
     other = torch.optim.AdamW(namespace["make_mlp"](0).parameters())
-    assert "does not hold this model's parameters" in checked(1, namespace, optimizer=other)
+    assert "does not hold this model's parameters" in checked(
+        1, namespace, optimizer=other
+    )
 
 
 @pytest.mark.slow
@@ -309,17 +362,28 @@ def test_drill_2_refuses_an_eager_model(solved):
 def test_drill_3_refuses_adamw_and_sgd_without_momentum(solved):
     namespace, _ = solved
     parameters = list(namespace["sgd_model"].parameters())
-    assert "AdamW, not torch.optim.SGD" in checked(3, namespace, sgd_optimizer=torch.optim.AdamW(parameters))
-    assert "momentum is 0, expected 0.9" in checked(3, namespace, sgd_optimizer=torch.optim.SGD(parameters, lr=0.05))
+    assert "AdamW, not torch.optim.SGD" in checked(
+        3, namespace, sgd_optimizer=torch.optim.AdamW(parameters)
+    )
+    assert "momentum is 0, expected 0.9" in checked(
+        3, namespace, sgd_optimizer=torch.optim.SGD(parameters, lr=0.05)
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mistake", [{"divide": False}, {"zero_grad": False}])
 def test_drill_4_refuses_accumulation_done_wrong(solved, mistake):
     namespace, _ = solved
-    printed = checked(4, namespace, accumulated_state=twenty_steps(namespace, 0, 4, **mistake),
-                      big_batch_state=twenty_steps(namespace, 0, 1))
-    assert "of the weights differ by more than 1e-06" in printed and "divided by accum_steps" in printed
+    printed = checked(
+        4,
+        namespace,
+        accumulated_state=twenty_steps(namespace, 0, 4, **mistake),
+        big_batch_state=twenty_steps(namespace, 0, 1),
+    )
+    assert (
+        "of the weights differ by more than 1e-06" in printed
+        and "divided by accum_steps" in printed
+    )
 
 
 @pytest.mark.slow
@@ -332,9 +396,13 @@ def test_drill_4_refuses_a_comparison_after_too_many_steps(solved):
 @pytest.mark.slow
 def test_drill_5_explains_bf16_weights_instead_of_autocast(solved):
     namespace, _ = solved
-    bf16_model = copy.deepcopy(namespace["model"]).to(torch.bfloat16)  # the mistake: the weights themselves cast
+    # the mistake: the weights themselves cast
+    bf16_model = copy.deepcopy(namespace["model"]).to(torch.bfloat16)
     printed = checked(5, namespace, model=bf16_model)
-    assert "not float32: autocast leaves the weights in float32" in printed and "torch.autocast" in printed
+    assert (
+        "not float32: autocast leaves the weights in float32" in printed
+        and "torch.autocast" in printed
+    )
 
 
 @pytest.mark.slow
@@ -348,20 +416,34 @@ def test_drill_5_refuses_autocast_left_off(solved):
 def test_drill_6_refuses_a_pickled_model_object(solved, tmp_path):
     namespace, _ = solved
     path = tmp_path / "whole.pt"
-    torch.save(namespace["model"], path)  # the mistake: the module object, not its state dict
+    # the mistake: the module object, not its state dict
+    torch.save(namespace["model"], path)
     reloaded = torch.load(path, weights_only=False)
     printed = checked(6, namespace, checkpoint_path=path, reloaded=reloaded)
-    assert "does not load with torch.load(..., weights_only=True)" in printed and "model.state_dict()" in printed
+    assert (
+        "does not load with torch.load(..., weights_only=True)" in printed
+        and "model.state_dict()" in printed
+    )
 
 
 @pytest.mark.slow
 def test_drill_6_refuses_the_same_object_an_unloaded_model_and_another_shape(solved):
     namespace, _ = solved
-    assert "is the original model object" in checked(6, namespace, reloaded=namespace["model"])
-    assert "did not round-trip" in checked(6, namespace, reloaded=namespace["make_mlp"](5))
-    wider = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 512), torch.nn.ReLU(),
-                                torch.nn.Linear(512, 10))
-    assert "the reloaded model has other parameters" in checked(6, namespace, reloaded=wider)
+    assert "is the original model object" in checked(
+        6, namespace, reloaded=namespace["model"]
+    )
+    assert "did not round-trip" in checked(
+        6, namespace, reloaded=namespace["make_mlp"](5)
+    )
+    wider = torch.nn.Sequential(
+        torch.nn.Flatten(),
+        torch.nn.Linear(784, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 10),
+    )
+    assert "the reloaded model has other parameters" in checked(
+        6, namespace, reloaded=wider
+    )
 
 
 @pytest.mark.slow
@@ -369,7 +451,9 @@ def test_drill_6_refuses_a_file_of_the_initial_weights(solved, tmp_path):
     namespace, _ = solved
     path = tmp_path / "early.pt"
     torch.save(namespace["initial_state"], path)  # saved before training
-    assert "holds other weights than the model's" in checked(6, namespace, checkpoint_path=path)
+    assert "holds other weights than the model's" in checked(
+        6, namespace, checkpoint_path=path
+    )
 
 
 @pytest.mark.slow
@@ -377,8 +461,13 @@ def test_drill_7_refuses_a_torch_save_file_and_other_weights(solved, tmp_path):
     namespace, _ = solved
     pickled = tmp_path / "mlp.safetensors"
     torch.save(namespace["model"].state_dict(), pickled)  # a zip named .safetensors
-    assert "mlp.safetensors is not a safetensors file" in checked(7, namespace, safetensors_path=pickled)
+    assert "mlp.safetensors is not a safetensors file" in checked(
+        7, namespace, safetensors_path=pickled
+    )
     import safetensors.torch
+
     other = tmp_path / "initial.safetensors"
     safetensors.torch.save_file(namespace["initial_state"], other)
-    assert "tensors differ from the model's" in checked(7, namespace, safetensors_path=other)
+    assert "tensors differ from the model's" in checked(
+        7, namespace, safetensors_path=other
+    )

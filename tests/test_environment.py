@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pyproject_requirements() -> set[str]:
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))[
+        "project"
+    ]
     requirements = set(project["dependencies"])
     for extra in project.get("optional-dependencies", {}).values():
         requirements.update(extra)
@@ -20,9 +22,13 @@ def pyproject_requirements() -> set[str]:
 
 def conda_pip_requirements() -> set[str]:
     environment = yaml.safe_load((ROOT / "environment.yml").read_text(encoding="utf-8"))
-    pip_lists = [item["pip"] for item in environment["dependencies"] if isinstance(item, dict)]
+    pip_lists = [
+        item["pip"] for item in environment["dependencies"] if isinstance(item, dict)
+    ]
     assert len(pip_lists) == 1, "environment.yml should have exactly one pip: section"
-    return {requirement for requirement in pip_lists[0] if not requirement.startswith("-e")}
+    return {
+        requirement for requirement in pip_lists[0] if not requirement.startswith("-e")
+    }
 
 
 def test_environment_yml_and_pyproject_list_the_same_requirements():
@@ -35,7 +41,9 @@ def test_environment_yml_and_pyproject_list_the_same_requirements():
 
 def test_environment_yml_installs_this_package():
     environment = yaml.safe_load((ROOT / "environment.yml").read_text(encoding="utf-8"))
-    pip_list = next(item["pip"] for item in environment["dependencies"] if isinstance(item, dict))
+    pip_list = next(
+        item["pip"] for item in environment["dependencies"] if isinstance(item, dict)
+    )
     assert "-e ." in pip_list
 
 
@@ -44,11 +52,19 @@ def test_python_minimum_in_pyproject_matches_the_readme_and_this_interpreter():
     import re
     import sys
 
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))[
+        "project"
+    ]
     match = re.fullmatch(r">=(\d+)\.(\d+)", project["requires-python"])
-    assert match, f"requires-python {project['requires-python']!r} is not of the form >=X.Y"
+    assert match, (
+        f"requires-python {project['requires-python']!r} is not of the form >=X.Y"
+    )
     minimum = (int(match[1]), int(match[2]))
-    assert minimum >= (3, 11), f"the tests need tomllib (Python 3.11+), but pyproject allows {minimum}"
+    assert minimum >= (3, 11), (
+        f"the tests need tomllib (Python 3.11+), but pyproject allows {minimum}"
+    )
     assert sys.version_info[:2] >= minimum
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert f"{minimum[0]}.{minimum[1]} or newer" in readme, "README.md states a different Python minimum"
+    assert f"{minimum[0]}.{minimum[1]} or newer" in readme, (
+        "README.md states a different Python minimum"
+    )

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from torchbook import files
-from torchbook.files import atomic_write, atomic_write_bytes, atomic_write_text, is_temporary
+from torchbook.files import (
+    atomic_write,
+    atomic_write_bytes,
+    atomic_write_text,
+    is_temporary,
+)
 
 
 def test_a_failing_writer_leaves_the_old_file_and_no_temporary(tmp_path):
@@ -30,11 +35,16 @@ def test_a_failing_writer_leaves_the_old_file_and_no_temporary(tmp_path):
 def test_the_temporary_is_hidden_unique_and_next_to_the_target(tmp_path):
     seen = []
     for _ in range(2):
-        atomic_write(tmp_path / "out.bin", lambda temporary: (seen.append(temporary), temporary.write_bytes(b"x")))
+        atomic_write(
+            tmp_path / "out.bin",
+            lambda temporary: (seen.append(temporary), temporary.write_bytes(b"x")),
+        )
     first, second = seen
     # same folder: os.replace is only atomic within one file system
     assert first.parent == second.parent == tmp_path
-    assert first.name != second.name, "two writes of one file must not share a temporary"
+    assert first.name != second.name, (
+        "two writes of one file must not share a temporary"
+    )
     assert all(is_temporary(path) and path.name.startswith(".out.bin") for path in seen)
     assert not is_temporary(tmp_path / "out.bin")
 
@@ -42,7 +52,11 @@ def test_the_temporary_is_hidden_unique_and_next_to_the_target(tmp_path):
 def test_file_and_folder_are_fsynced_before_and_after_the_rename(tmp_path, monkeypatch):
     synced = []
     real_fsync_path = files.fsync_path
-    monkeypatch.setattr(files, "fsync_path", lambda path: (synced.append(Path(path)), real_fsync_path(path)))
+    monkeypatch.setattr(
+        files,
+        "fsync_path",
+        lambda path: (synced.append(Path(path)), real_fsync_path(path)),
+    )
     target = atomic_write_text(tmp_path / "notes.txt", "héllo")
     assert target.read_text(encoding="utf-8") == "héllo"
     assert len(synced) == 2 and is_temporary(synced[0]) and synced[1] == tmp_path
@@ -63,7 +77,9 @@ def test_an_interrupt_inside_the_writer_also_removes_the_temporary(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_a_full_disk_names_the_file_keeps_the_errno_and_the_old_file(tmp_path, monkeypatch):
+def test_a_full_disk_names_the_file_keeps_the_errno_and_the_old_file(
+    tmp_path, monkeypatch
+):
     path = tmp_path / "shard.bin"
     path.write_bytes(b"old and whole")
 
@@ -113,4 +129,6 @@ def test_the_written_file_gets_the_mode_a_plain_open_would_give(tmp_path):
     finally:
         os.umask(old_umask)
     assert stat.S_IMODE((tmp_path / "shared.bin").stat().st_mode) == 0o644
-    assert stat.S_IMODE((tmp_path / "shared.bin").stat().st_mode) == stat.S_IMODE((tmp_path / "plain.bin").stat().st_mode)
+    assert stat.S_IMODE((tmp_path / "shared.bin").stat().st_mode) == stat.S_IMODE(
+        (tmp_path / "plain.bin").stat().st_mode
+    )

@@ -17,14 +17,29 @@ def run_chapter(tmp_path: Path, text: str, *extra: str) -> subprocess.CompletedP
     chapter = tmp_path / "broken.qmd"
     chapter.write_text(textwrap.dedent(text).lstrip(), encoding="utf-8")
     (tmp_path / "pytest.ini").write_text("[pytest]\n", encoding="utf-8")
-    command = [sys.executable, "-m", "pytest", "-p", "tests.chapter_harness", "-p", "no:cacheprovider",
-               "-c", str(tmp_path / "pytest.ini"), str(chapter), *extra]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "tests.chapter_harness",
+        "-p",
+        "no:cacheprovider",
+        "-c",
+        str(tmp_path / "pytest.ini"),
+        str(chapter),
+        *extra,
+    ]
+    return subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.slow
 def test_failing_cell_reports_chapter_line_first_line_and_error(tmp_path):
-    result = run_chapter(tmp_path, """
+    result = run_chapter(
+        tmp_path,
+        """
         ---
         title: "Broken"
         ---
@@ -37,22 +52,28 @@ def test_failing_cell_reports_chapter_line_first_line_and_error(tmp_path):
         total = sum(values)
         assert total == 7, f"total is {total}, expected 7"
         ```
-        """)
+        """,
+    )
     assert result.returncode == 1, result.stdout
     assert "broken.qmd:10: cell `total = sum(values)` failed" in result.stdout
-    assert "AssertionError" in result.stdout and "total is 6, expected 7" in result.stdout
+    assert (
+        "AssertionError" in result.stdout and "total is 6, expected 7" in result.stdout
+    )
     assert "1 failed, 1 passed" in result.stdout
 
 
 @pytest.mark.slow
 def test_inline_value_typo_fails_like_a_cell(tmp_path):
-    result = run_chapter(tmp_path, """
+    result = run_chapter(
+        tmp_path,
+        """
         ```{python}
         accuracy = 0.98
         ```
 
         The accuracy is `{python} f"{acuracy:.1%}"`.
-        """)
+        """,
+    )
     assert result.returncode == 1, result.stdout
     assert "inline values from the prose at line 5" in result.stdout
     assert "NameError" in result.stdout
@@ -60,7 +81,9 @@ def test_inline_value_typo_fails_like_a_cell(tmp_path):
 
 @pytest.mark.slow
 def test_eval_false_cell_is_skipped(tmp_path):
-    result = run_chapter(tmp_path, """
+    result = run_chapter(
+        tmp_path,
+        """
         ```{python}
         #| eval: false
         raise RuntimeError("must not run")
@@ -69,14 +92,17 @@ def test_eval_false_cell_is_skipped(tmp_path):
         ```{python}
         x = 1
         ```
-        """)
+        """,
+    )
     assert result.returncode == 0, result.stdout
     assert "1 passed, 1 skipped" in result.stdout
 
 
 @pytest.mark.slow
 def test_unexpected_warning_fails_the_cell(tmp_path):
-    result = run_chapter(tmp_path, """
+    result = run_chapter(
+        tmp_path,
+        """
         ```{python}
         import warnings
         warnings.warn("something the reader should not see")
@@ -87,7 +113,8 @@ def test_unexpected_warning_fails_the_cell(tmp_path):
         import warnings
         warnings.warn("hidden on the page, so allowed")
         ```
-        """)
+        """,
+    )
     assert result.returncode == 1, result.stdout
     assert "printed a warning the chapter does not mean to show" in result.stdout
     assert "1 failed, 1 passed" in result.stdout
@@ -95,7 +122,9 @@ def test_unexpected_warning_fails_the_cell(tmp_path):
 
 @pytest.mark.slow
 def test_chapter_over_its_budget_fails(tmp_path):
-    result = run_chapter(tmp_path, """
+    result = run_chapter(
+        tmp_path,
+        """
         ```{python}
         import time
         time.sleep(30)
@@ -104,19 +133,25 @@ def test_chapter_over_its_budget_fails(tmp_path):
         ```{python}
         x = 1
         ```
-        """, "--chapter-budget", "8")
+        """,
+        "--chapter-budget",
+        "8",
+    )
     assert result.returncode == 1, result.stdout
     assert "ran past its budget of 8 s for the whole chapter" in result.stdout
 
 
 @pytest.mark.slow
 def test_malformed_option_fails_collection_naming_chapter_and_line(tmp_path):
-    result = run_chapter(tmp_path, """
+    result = run_chapter(
+        tmp_path,
+        """
         ```{python}
         #| fig-cap: "unclosed
         x = 1
         ```
-        """)
+        """,
+    )
     assert result.returncode != 0
     assert "broken.qmd:2: cell option is not valid YAML" in result.stdout
 
@@ -124,12 +159,15 @@ def test_malformed_option_fails_collection_naming_chapter_and_line(tmp_path):
 @pytest.mark.slow
 def test_prose_only_page_is_collected_as_a_parse_check(tmp_path):
     # The References page has no code; naming it in testpaths must not be a "not found" error.
-    result = run_chapter(tmp_path, """
+    result = run_chapter(
+        tmp_path,
+        """
         # References {.unnumbered}
 
         ::: {#refs}
         :::
-        """)
+        """,
+    )
     assert result.returncode == 0, result.stdout
     assert "1 passed" in result.stdout
 
@@ -137,7 +175,9 @@ def test_prose_only_page_is_collected_as_a_parse_check(tmp_path):
 @pytest.mark.slow
 def test_a_chapter_that_starts_workers_runs_a_second_time_under_spawn(tmp_path):
     # The default start method on Linux is fork; the second run's first cell sets spawn, so this assert fails there.
-    result = run_chapter(tmp_path, """
+    result = run_chapter(
+        tmp_path,
+        """
         ```{python}
         import multiprocessing
         ```
@@ -146,17 +186,21 @@ def test_a_chapter_that_starts_workers_runs_a_second_time_under_spawn(tmp_path):
         method = multiprocessing.get_start_method()
         assert method != "spawn", f"this run uses {method}"
         ```
-        """)
+        """,
+    )
     assert result.returncode == 1, result.stdout
     assert "spawn: line 6: method = multiprocessing.get_start_method()" in result.stdout
     assert "this run uses spawn" in result.stdout
-    assert "1 failed, 4 passed" in result.stdout  # 2 cells by default; the start-method cell and 2 cells under spawn
+    # 2 cells by default; the start-method cell and 2 cells under spawn
+    assert "1 failed, 4 passed" in result.stdout
 
 
 @pytest.mark.slow
 def test_a_notebook_class_sent_to_dataloader_workers_fails_only_under_spawn(tmp_path):
     # What readers on macOS and Windows meet: fork copies the class into the worker, spawn must import it.
-    result = run_chapter(tmp_path, """
+    result = run_chapter(
+        tmp_path,
+        """
         ```{python}
         import torch
         from torch.utils.data import DataLoader, Dataset
@@ -172,27 +216,37 @@ def test_a_notebook_class_sent_to_dataloader_workers_fails_only_under_spawn(tmp_
 
         assert [int(x) for x in DataLoader(Squares(), batch_size=None, num_workers=1)] == [0, 1, 4, 9]
         ```
-        """)
+        """,
+    )
     assert result.returncode == 1, result.stdout
-    assert "broken.qmd:2: cell `import torch` failed under the spawn start method" in result.stdout
-    assert "1 failed, 2 passed" in result.stdout  # the default run, then the start-method cell and the failure
+    assert (
+        "broken.qmd:2: cell `import torch` failed under the spawn start method"
+        in result.stdout
+    )
+    # the default run, then the start-method cell and the failure
+    assert "1 failed, 2 passed" in result.stdout
 
 
 @pytest.mark.slow
 def test_a_chapter_without_workers_runs_once(tmp_path):
-    result = run_chapter(tmp_path, """
+    result = run_chapter(
+        tmp_path,
+        """
         ```{python}
         from torch.utils.data import DataLoader
         loader = DataLoader(range(4), num_workers=0)
         ```
-        """)
+        """,
+    )
     assert result.returncode == 0, result.stdout
     assert "1 passed" in result.stdout and "spawn" not in result.stdout
 
 
 @pytest.mark.slow
 def test_a_figure_cell_that_draws_nothing_fails(tmp_path):
-    result = run_chapter(tmp_path, """
+    result = run_chapter(
+        tmp_path,
+        """
         ```{python}
         #| label: fig-drawn
         #| fig-cap: "A line."
@@ -206,7 +260,8 @@ def test_a_figure_cell_that_draws_nothing_fails(tmp_path):
         #| fig-cap: "Nothing is drawn."
         x = 1
         ```
-        """)
+        """,
+    )
     assert result.returncode == 1, result.stdout
     assert "labelled 'fig-empty' but produced no image" in result.stdout
     assert "1 failed, 1 passed" in result.stdout

@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def load_gpu_results():
     """examples/gpu_results.py as a module (examples are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("gpu_results", ROOT / "examples" / "gpu_results.py")
+    spec = importlib.util.spec_from_file_location(
+        "gpu_results", ROOT / "examples" / "gpu_results.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -41,14 +43,23 @@ def test_mlp_is_784_256_128_10():
 
 
 def test_fresh_model_repeats_its_weights_for_a_seed():
-    first, again, other = (lab.fresh_model((16,), seed, torch.device("cpu")) for seed in (3, 3, 4))
-    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))
+    first, again, other = (
+        lab.fresh_model((16,), seed, torch.device("cpu")) for seed in (3, 3, 4)
+    )
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            first.state_dict().values(), again.state_dict().values(), strict=True
+        )
+    )
     assert not torch.equal(first.layers[1].weight, other.layers[1].weight)
 
 
 def test_evaluate_counts_correct_argmaxes_and_restores_train_mode():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.5), torch.nn.Linear(4, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Dropout(0.5), torch.nn.Linear(4, 3)
+    )
     images, labels = torch.randn(50, 1, 2, 2), torch.randint(0, 3, (50,))
     accuracy, loss = lab.evaluate(model, images, labels)
     model.eval()  # by hand: eval mode (dropout off), no autocast
@@ -68,8 +79,16 @@ def test_accumulated_step_equals_one_big_batch_step():
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    losses = gpu_results.train_epoch(model, optimizer, scheduler, images, labels, batch_size=128,
-                                     generator=torch.Generator().manual_seed(3), accum_steps=4)
+    losses = gpu_results.train_epoch(
+        model,
+        optimizer,
+        scheduler,
+        images,
+        labels,
+        batch_size=128,
+        generator=torch.Generator().manual_seed(3),
+        accum_steps=4,
+    )
     # The same step by hand: the mean loss over the whole batch, one gradient, p -= lr * grad.
     order = torch.randperm(128, generator=torch.Generator().manual_seed(3))
     loss = F.cross_entropy(reference(images[order]), labels[order])
@@ -80,7 +99,7 @@ def test_accumulated_step_equals_one_big_batch_step():
     assert len(losses) == 1
     # atol 1e-6: four float32 partial sums against one, about 1e-7 relative
     torch.testing.assert_close(losses[0], loss.detach(), atol=1e-6, rtol=0)
-    for mine, theirs in zip(model.parameters(), reference.parameters()):
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
 
 
@@ -89,8 +108,16 @@ def test_train_epoch_with_drop_last_takes_only_full_batches():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     images, labels = torch.randn(100, 1, 28, 28), torch.randint(0, 10, (100,))
-    losses = gpu_results.train_epoch(model, optimizer, scheduler, images, labels, 32,
-                                     torch.Generator().manual_seed(0), drop_last=True)
+    losses = gpu_results.train_epoch(
+        model,
+        optimizer,
+        scheduler,
+        images,
+        labels,
+        32,
+        torch.Generator().manual_seed(0),
+        drop_last=True,
+    )
     assert len(losses) == 3  # 100 // 32; the 4 left over are dropped
 
 
@@ -98,24 +125,41 @@ def test_sgd_follows_the_same_cosine_as_adamw():
     sizes = make_profile("cpu").lab
     rates = {}
     for name in ("adamw", "sgd"):
-        optimizer, scheduler = gpu_results.lab_optimizer(name, lab.MLP((8,)), sizes, total_steps=10)
+        optimizer, scheduler = gpu_results.lab_optimizer(
+            name, lab.MLP((8,)), sizes, total_steps=10
+        )
         rates[name] = []
         for _ in range(11):
             rates[name].append(optimizer.param_groups[0]["lr"])
             optimizer.step()
             scheduler.step()
     # min_lr is 0: a half cosine from the peak to 0, halfway at step 5, for both optimizers
-    assert rates["adamw"][0] == pytest.approx(sizes.lr) and rates["sgd"][0] == pytest.approx(sizes.sgd_lr)
-    assert rates["adamw"][5] == pytest.approx(sizes.lr / 2) and rates["sgd"][5] == pytest.approx(sizes.sgd_lr / 2)
-    assert rates["sgd"][10] == pytest.approx(sizes.sgd_lr * sizes.min_lr / sizes.lr, abs=1e-12)
+    assert rates["adamw"][0] == pytest.approx(sizes.lr) and rates["sgd"][
+        0
+    ] == pytest.approx(sizes.sgd_lr)
+    assert rates["adamw"][5] == pytest.approx(sizes.lr / 2) and rates["sgd"][
+        5
+    ] == pytest.approx(sizes.sgd_lr / 2)
+    assert rates["sgd"][10] == pytest.approx(
+        sizes.sgd_lr * sizes.min_lr / sizes.lr, abs=1e-12
+    )
 
 
 def test_results_series_splits_a_history_into_steps_and_epochs():
-    history = {"step_loss": [2.0, 1.0, 0.5], "epoch_accuracy": [0.9], "epoch_test_loss": [0.3],
-               "epoch_seconds": [1.5]}
+    history = {
+        "step_loss": [2.0, 1.0, 0.5],
+        "epoch_accuracy": [0.9],
+        "epoch_test_loss": [0.3],
+        "epoch_seconds": [1.5],
+    }
     series = gpu_results.results_series({"adamw": history})
     assert series["adamw.steps"] == {"step": [1.0, 2.0, 3.0], "loss": [2.0, 1.0, 0.5]}
-    assert series["adamw.epochs"] == {"epoch": [1.0], "accuracy": [0.9], "test_loss": [0.3], "seconds": [1.5]}
+    assert series["adamw.epochs"] == {
+        "epoch": [1.0],
+        "accuracy": [0.9],
+        "test_loss": [0.3],
+        "seconds": [1.5],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +167,17 @@ def small_lab():
     """The cpu profile with the lab cut to one epoch of 4 steps over a slice of MNIST."""
     profile = make_profile("cpu")
     data = lab.load_data(profile.device)
-    data = lab.MnistTensors(data.train_images[:512], data.train_labels[:512], data.test_images[:256],
-                            data.test_labels[:256])
-    return profile, dataclasses.replace(profile.lab, epochs=1, equivalence_steps=3), data
+    data = lab.MnistTensors(
+        data.train_images[:512],
+        data.train_labels[:512],
+        data.test_images[:256],
+        data.test_labels[:256],
+    )
+    return (
+        profile,
+        dataclasses.replace(profile.lab, epochs=1, equivalence_steps=3),
+        data,
+    )
 
 
 def test_compile_timing_alternates_over_an_epoch_of_full_batches(small_lab):
@@ -133,20 +185,36 @@ def test_compile_timing_alternates_over_an_epoch_of_full_batches(small_lab):
     # backend="eager": the alternation and the bookkeeping are tested, not inductor's speed
     timing = gpu_results.compile_timing(data, sizes, profile, backend="eager")
     assert timing["steps"] == 512 // sizes.batch_size
-    assert timing["speedup"] == pytest.approx(timing["eager_step_s"] / timing["compiled_step_s"])
+    assert timing["speedup"] == pytest.approx(
+        timing["eager_step_s"] / timing["compiled_step_s"]
+    )
 
 
-def test_lab_run_writes_one_results_file_named_after_the_profile(small_lab, tmp_path, monkeypatch):
+def test_lab_run_writes_one_results_file_named_after_the_profile(
+    small_lab, tmp_path, monkeypatch
+):
     profile, sizes, data = small_lab
     monkeypatch.setattr(gpu_results, "load_data", lambda device: data)
-    monkeypatch.setattr(gpu_results, "compile_timing", lambda data, sizes, profile: {"speedup": 1.0})
+    monkeypatch.setattr(
+        gpu_results, "compile_timing", lambda data, sizes, profile: {"speedup": 1.0}
+    )
     path = gpu_results.run_lab(gpu_results.Output(tmp_path), profile, sizes)
     written = read_result(path)  # the format torchbook.results validates
-    assert path.name == "lab-cpu.json" and [p.name for p in tmp_path.iterdir()] == ["lab-cpu.json"]
+    assert path.name == "lab-cpu.json" and [p.name for p in tmp_path.iterdir()] == [
+        "lab-cpu.json"
+    ]
     assert written.run == "lab" and written.profile == "cpu"
-    assert written.metrics["drill6.reload_bit_identical"] == 1.0 and written.metrics["drill6.safetensors_equal"] == 1.0
+    assert (
+        written.metrics["drill6.reload_bit_identical"] == 1.0
+        and written.metrics["drill6.safetensors_equal"] == 1.0
+    )
     assert len(written.history["adamw.steps"]["loss"]) == 512 // sizes.batch_size
-    assert set(written.history) >= {"adamw.epochs", "sgd.epochs", "accumulated.epochs", "bf16.epochs"}
+    assert set(written.history) >= {
+        "adamw.epochs",
+        "sgd.epochs",
+        "accumulated.epochs",
+        "bf16.epochs",
+    }
     assert set(written.provenance["sources"]) == set(gpu_results.LAB_SOURCES)
 
 
@@ -156,9 +224,24 @@ def test_a_dry_run_keeps_every_gpu_shape_and_cuts_only_the_counts():
     shape = lambda sizes, names: tuple(getattr(sizes, name) for name in names)  # noqa: E731
     lm_shape = ("block_size", "batch_size", "n_layer", "n_head", "d_model")
     assert shape(lm, lm_shape) == shape(profile.lm, lm_shape)
-    assert lm.max_steps == gpu_results.DRY_RUN_STEPS < profile.lm.max_steps and lm.eval_batches == 1
-    assert (lab_sizes.hidden, lab_sizes.batch_size) == (profile.lab.hidden, profile.lab.batch_size)
-    memory_shape = ("vocab_size", "n_layer", "d_model", "batch_size", "seq_lens", "matmul_size")
+    assert (
+        lm.max_steps == gpu_results.DRY_RUN_STEPS < profile.lm.max_steps
+        and lm.eval_batches == 1
+    )
+    assert (lab_sizes.hidden, lab_sizes.batch_size) == (
+        profile.lab.hidden,
+        profile.lab.batch_size,
+    )
+    memory_shape = (
+        "vocab_size",
+        "n_layer",
+        "d_model",
+        "batch_size",
+        "seq_lens",
+        "matmul_size",
+    )
     assert shape(memory, memory_shape) == shape(profile.memory, memory_shape)
     assert profile.precision == "bf16" and profile.device.type == "cpu"
-    assert gpu_results.Output(Path("out"), dry_run=True).path("lm", profile) == Path("out/lm-gpu-dry-run.json")
+    assert gpu_results.Output(Path("out"), dry_run=True).path("lm", profile) == Path(
+        "out/lm-gpu-dry-run.json"
+    )

@@ -38,7 +38,9 @@ def make_model(config: GPTConfig = CONFIG, seed: int = 0) -> GPT:
     return GPT(config).eval()
 
 
-def random_tokens(batch: int, steps: int, seed: int = 1, vocab_size: int = CONFIG.vocab_size) -> torch.Tensor:
+def random_tokens(
+    batch: int, steps: int, seed: int = 1, vocab_size: int = CONFIG.vocab_size
+) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, steps), generator=generator)
 
@@ -47,10 +49,12 @@ def gpt_parameter_formula(c: GPTConfig) -> int:
     """Parameters of the GPT counted by hand, the tied embedding/head once."""
     d = c.d_model
     layer_norm = 2 * d  # weight and bias
-    attention = (d * 3 * d + 3 * d) + (d * d + d)  # qkv and output projection, with biases
+    # qkv and output projection, with biases
+    attention = (d * 3 * d + 3 * d) + (d * d + d)
     mlp = (d * 4 * d + 4 * d) + (4 * d * d + d)
     per_block = 2 * layer_norm + attention + mlp
-    return c.vocab_size * d + c.n_layer * per_block + layer_norm  # embedding (= head), blocks, final LN
+    # embedding (= head), blocks, final LN
+    return c.vocab_size * d + c.n_layer * per_block + layer_norm
 
 
 def test_tiny_mlp_maps_a_batch_of_64_features_to_10_logits():
@@ -62,7 +66,11 @@ def test_tiny_mlp_is_the_tutorial_version_with_a_gelu_module():
     model = TinyMLP(64, 256, 10)
     assert isinstance(model.act, torch.nn.GELU)
     x = torch.randn(5, 64)
-    by_hand = F.linear(F.gelu(F.linear(x, model.fc1.weight, model.fc1.bias)), model.fc2.weight, model.fc2.bias)
+    by_hand = F.linear(
+        F.gelu(F.linear(x, model.fc1.weight, model.fc1.bias)),
+        model.fc2.weight,
+        model.fc2.bias,
+    )
     # Exact: the same float32 operations in the same order.
     assert torch.equal(model(x), by_hand)
 
@@ -91,7 +99,9 @@ def test_count_parameters_skips_frozen_unless_asked():
     model.token_embedding.requires_grad_(False)
     frozen = CONFIG.vocab_size * CONFIG.d_model
     assert count_parameters(model) == gpt_parameter_formula(CONFIG) - frozen
-    assert count_parameters(model, trainable_only=False) == gpt_parameter_formula(CONFIG)
+    assert count_parameters(model, trainable_only=False) == gpt_parameter_formula(
+        CONFIG
+    )
 
 
 def test_changing_later_tokens_leaves_earlier_logits_unchanged():
@@ -99,14 +109,16 @@ def test_changing_later_tokens_leaves_earlier_logits_unchanged():
     idx = random_tokens(2, CONFIG.block_size)
     t = 6
     changed = idx.clone()
-    changed[:, t + 1:] = (changed[:, t + 1:] + 1) % CONFIG.vocab_size
+    changed[:, t + 1 :] = (changed[:, t + 1 :] + 1) % CONFIG.vocab_size
     full, full_changed = model(idx), model(changed)
     # Independent check: the model fed only the prefix 0..t must agree at every position <= t.
     prefix_only = model(idx[:, : t + 1])
     torch.testing.assert_close(full[:, : t + 1], prefix_only, atol=FLOAT32_ATOL, rtol=0)
-    torch.testing.assert_close(full_changed[:, : t + 1], prefix_only, atol=FLOAT32_ATOL, rtol=0)
+    torch.testing.assert_close(
+        full_changed[:, : t + 1], prefix_only, atol=FLOAT32_ATOL, rtol=0
+    )
     # And the change is visible where it should be, so the test can fail.
-    assert not torch.allclose(full[:, t + 1:], full_changed[:, t + 1:])
+    assert not torch.allclose(full[:, t + 1 :], full_changed[:, t + 1 :])
 
 
 def test_causal_mask_buffer_is_lower_triangular():
@@ -120,7 +132,9 @@ def test_causal_mask_buffer_is_lower_triangular():
 def test_sdpa_is_causal_equals_masked_softmax_attention():
     model = make_model()
     generator = torch.Generator().manual_seed(2)
-    q, k, v = torch.randn(3, 2, CONFIG.n_head, CONFIG.block_size, CONFIG.head_size, generator=generator)
+    q, k, v = torch.randn(
+        3, 2, CONFIG.n_head, CONFIG.block_size, CONFIG.head_size, generator=generator
+    )
     fused = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     reference = masked_softmax_attention(q, k, v, model.causal_mask)
     torch.testing.assert_close(fused, reference, atol=FLOAT32_ATOL, rtol=0)
@@ -131,22 +145,31 @@ def test_masked_softmax_attention_matches_a_per_position_loop():
     q, k, v = torch.randn(3, 1, 1, 5, 4, generator=generator)
     mask = torch.ones(5, 5, dtype=torch.bool).tril()
     out = masked_softmax_attention(q, k, v, mask)
-    for t in range(5):  # position t averages the values at 0..t, weighted by softmax of its scores
+    # position t averages the values at 0..t, weighted by softmax of its scores
+    for t in range(5):
         weights = torch.softmax(q[0, 0, t] @ k[0, 0, : t + 1].T / math.sqrt(4), dim=-1)
-        torch.testing.assert_close(out[0, 0, t], weights @ v[0, 0, : t + 1], atol=FLOAT32_ATOL, rtol=0)
+        torch.testing.assert_close(
+            out[0, 0, t], weights @ v[0, 0, : t + 1], atol=FLOAT32_ATOL, rtol=0
+        )
 
 
 def test_apply_rope_rotates_each_feature_pair_by_position_times_its_frequency():
     head_size, block_size = 8, 12
     cos, sin = rope_tables(head_size, block_size)
-    x = torch.randn(1, 1, block_size, head_size, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(
+        1, 1, block_size, head_size, generator=torch.Generator().manual_seed(4)
+    )
     rotated = apply_rope(x, cos, sin)
     half = head_size // 2
     for t in (0, 1, block_size - 1):
-        for i in range(half):  # pair i is features (i, i + half), turned by t * base**(-2i / head_size)
+        # pair i is features (i, i + half), turned by t * base**(-2i / head_size)
+        for i in range(half):
             angle = t * ROPE_BASE ** (-2 * i / head_size)
             a, b = x[0, 0, t, i].item(), x[0, 0, t, i + half].item()
-            expected = (a * math.cos(angle) - b * math.sin(angle), a * math.sin(angle) + b * math.cos(angle))
+            expected = (
+                a * math.cos(angle) - b * math.sin(angle),
+                a * math.sin(angle) + b * math.cos(angle),
+            )
             got = (rotated[0, 0, t, i].item(), rotated[0, 0, t, i + half].item())
             # 1e-5: float32 angles up to 11 rad are off by ~1e-6 (one ulp of 11) from float64 by hand.
             assert got == pytest.approx(expected, abs=1e-5)
@@ -163,8 +186,11 @@ def test_rope_scores_depend_only_on_the_distance_between_positions():
     distance = 3
     scores = [q[m + distance] @ k[m] for m in range(block_size - distance)]
     # 1e-4: float32 angles up to 39 rad are off by ~4e-6; a score sums head_size products of order 1.
-    torch.testing.assert_close(torch.stack(scores), scores[0].expand(len(scores)), atol=1e-4, rtol=0)
-    assert not torch.allclose(q[distance] @ k[0], q[distance + 1] @ k[0], atol=1e-4)  # other distances differ
+    torch.testing.assert_close(
+        torch.stack(scores), scores[0].expand(len(scores)), atol=1e-4, rtol=0
+    )
+    # other distances differ
+    assert not torch.allclose(q[distance] @ k[0], q[distance + 1] @ k[0], atol=1e-4)
 
 
 def test_one_document_per_row_through_the_mask_buffer_equals_is_causal():
@@ -173,7 +199,9 @@ def test_one_document_per_row_through_the_mask_buffer_equals_is_causal():
     model = make_model()
     idx = random_tokens(2, 12)
     one_document = torch.zeros_like(idx)
-    torch.testing.assert_close(model(idx), model(idx, document_ids=one_document), atol=FLOAT32_ATOL, rtol=0)
+    torch.testing.assert_close(
+        model(idx), model(idx, document_ids=one_document), atol=FLOAT32_ATOL, rtol=0
+    )
 
 
 def test_document_causal_mask_lets_a_query_see_earlier_keys_of_its_own_document_only():
@@ -183,11 +211,15 @@ def test_document_causal_mask_lets_a_query_see_earlier_keys_of_its_own_document_
     for row in range(2):
         for query in range(8):
             for key in range(8):
-                allowed = key <= query and document_ids[row, key] == document_ids[row, query]
+                allowed = (
+                    key <= query and document_ids[row, key] == document_ids[row, query]
+                )
                 assert mask[row, 0, query, key].item() == allowed, (row, query, key)
 
 
-def packed_pair(lengths: tuple[int, ...] = (5, 7, 4)) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+def packed_pair(
+    lengths: tuple[int, ...] = (5, 7, 4),
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Documents of the given lengths, and one row packing them with position and document ids."""
     documents = [random_tokens(1, n, seed=10 + i) for i, n in enumerate(lengths)]
     idx = torch.cat(documents, dim=1)
@@ -204,7 +236,9 @@ def test_each_packed_document_gets_the_logits_it_gets_alone():
     for document in documents:
         end = start + document.size(1)
         # Masked keys get weight exactly 0; only the kernel's summation order differs.
-        torch.testing.assert_close(packed[:, start:end], model(document), atol=FLOAT32_ATOL, rtol=0)
+        torch.testing.assert_close(
+            packed[:, start:end], model(document), atol=FLOAT32_ATOL, rtol=0
+        )
         start = end
 
 
@@ -214,8 +248,12 @@ def test_without_the_document_mask_later_documents_see_earlier_ones():
     unmasked = model(idx, position_ids=position_ids)
     first = documents[0].size(1)
     # The first document has nothing before it; the second attends to the first and changes.
-    torch.testing.assert_close(unmasked[:, :first], model(documents[0]), atol=FLOAT32_ATOL, rtol=0)
-    assert (unmasked[:, first : first + documents[1].size(1)] - model(documents[1])).abs().max() > 1e-3
+    torch.testing.assert_close(
+        unmasked[:, :first], model(documents[0]), atol=FLOAT32_ATOL, rtol=0
+    )
+    assert (
+        unmasked[:, first : first + documents[1].size(1)] - model(documents[1])
+    ).abs().max() > 1e-3
 
 
 def test_position_ids_pick_each_tokens_rope_angles():
@@ -225,23 +263,37 @@ def test_position_ids_pick_each_tokens_rope_angles():
     # With no document mask the absolute positions matter only through RoPE; shifting
     # every position by 3 leaves relative distances, so the logits agree to rounding,
     # while reversing the positions breaks causal order and changes them.
-    torch.testing.assert_close(model(idx, position_ids=shifted), model(idx), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        model(idx, position_ids=shifted), model(idx), atol=1e-5, rtol=0
+    )
     reversed_positions = torch.arange(5, -1, -1)[None]
     # At initialisation attention moves the logits only slightly (weights of std 0.02), so
     # the change is about 4e-4: small, but 400 times the rounding bound above would allow.
-    assert (model(idx, position_ids=reversed_positions) - model(idx)).abs().max() > 100 * FLOAT32_ATOL
+    assert (
+        model(idx, position_ids=reversed_positions) - model(idx)
+    ).abs().max() > 100 * FLOAT32_ATOL
 
 
 def test_position_or_document_ids_of_another_shape_are_refused():
     idx = random_tokens(2, 6)
-    with pytest.raises(ValueError, match=r"position_ids must have idx's shape \(2, 6\), got \(6,\)"):
+    with pytest.raises(
+        ValueError, match=r"position_ids must have idx's shape \(2, 6\), got \(6,\)"
+    ):
         make_model()(idx, position_ids=torch.arange(6))
 
 
 def gradients_after_one_backward(checkpointing: bool) -> list[torch.Tensor]:
-    config = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, d_model=32, dropout=0.1,
-                       activation_checkpointing=checkpointing)
-    model = make_model(config).train()  # training, with dropout: the recomputed masks must match
+    config = GPTConfig(
+        vocab_size=65,
+        block_size=16,
+        n_layer=2,
+        n_head=4,
+        d_model=32,
+        dropout=0.1,
+        activation_checkpointing=checkpointing,
+    )
+    # training, with dropout: the recomputed masks must match
+    model = make_model(config).train()
     idx = random_tokens(3, 16)
     torch.manual_seed(123)  # the same dropout draws for both runs
     F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
@@ -251,15 +303,23 @@ def gradients_after_one_backward(checkpointing: bool) -> list[torch.Tensor]:
 def test_activation_checkpointing_gives_bitwise_equal_gradients():
     # Bitwise: the recomputed forward runs the same kernels on the same inputs, and
     # checkpoint restores the RNG state, so dropout draws the same masks again.
-    plain, recomputed = gradients_after_one_backward(False), gradients_after_one_backward(True)
-    assert all(torch.equal(a, b) for a, b in zip(plain, recomputed))
+    plain, recomputed = (
+        gradients_after_one_backward(False),
+        gradients_after_one_backward(True),
+    )
+    assert all(torch.equal(a, b) for a, b in zip(plain, recomputed, strict=True))
 
 
 def test_activation_checkpointing_saves_fewer_activations():
     idx = random_tokens(4, 16)
     config = GPTConfig(**{**vars(CONFIG), "activation_checkpointing": True})
-    plain, checkpointed = (saved_activation_bytes(model, lambda: model(idx).float().square().mean())
-                           for model in (make_model().train(), make_model(config).train()))
+    plain_model, checkpointed_model = make_model().train(), make_model(config).train()
+    plain = saved_activation_bytes(
+        plain_model, lambda: plain_model(idx).float().square().mean()
+    )
+    checkpointed = saved_activation_bytes(
+        checkpointed_model, lambda: checkpointed_model(idx).float().square().mean()
+    )
     # Each block keeps only its input (B, T, d_model) instead of a dozen tensors of that size or more.
     assert checkpointed < plain / 2, (checkpointed, plain)
 
@@ -281,7 +341,8 @@ def test_state_dict_loads_into_a_fresh_model_which_rebuilds_its_buffers():
 
 
 def test_buffers_and_parameters_move_with_to_device():
-    model = make_model().to("meta")  # the meta device stands in for an accelerator on any machine
+    # the meta device stands in for an accelerator on any machine
+    model = make_model().to("meta")
     assert all(p.device.type == "meta" for p in model.parameters())
     assert all(b.device.type == "meta" for b in model.buffers())
 
@@ -290,16 +351,22 @@ def test_buffers_and_parameters_move_with_to_device():
 def test_forward_and_generate_run_on_cuda():
     model = make_model().to("cuda")
     idx = random_tokens(2, 5).to("cuda")
-    assert model.causal_mask.device.type == "cuda" and model.rope_cos.device.type == "cuda"
+    assert (
+        model.causal_mask.device.type == "cuda" and model.rope_cos.device.type == "cuda"
+    )
     assert model(idx).device.type == "cuda"
-    out = model.generate(idx, 4, generator=torch.Generator(device="cuda").manual_seed(0))
+    out = model.generate(
+        idx, 4, generator=torch.Generator(device="cuda").manual_seed(0)
+    )
     assert out.shape == (2, 9) and out.device.type == "cuda"
 
 
 def test_to_dtype_converts_float_buffers_but_not_the_bool_mask():
     model = make_model().to(torch.float64)
     assert model.token_embedding.weight.dtype == torch.float64
-    assert model.rope_cos.dtype == torch.float64 and model.rope_sin.dtype == torch.float64
+    assert (
+        model.rope_cos.dtype == torch.float64 and model.rope_sin.dtype == torch.float64
+    )
     assert model.causal_mask.dtype == torch.bool
 
 
@@ -309,15 +376,24 @@ def test_weights_start_with_std_002_and_scaled_residual_projections():
     # A sample std over >= 4096 normal draws is within ~1.1% of the true std (one
     # standard error); 10% makes a false failure practically impossible while
     # still telling 0.02 from 0.02/4 = 0.005 apart.
-    assert model.blocks[0].attn.qkv.weight.std().item() == pytest.approx(INIT_STD, rel=0.1)
+    assert model.blocks[0].attn.qkv.weight.std().item() == pytest.approx(
+        INIT_STD, rel=0.1
+    )
     scaled = INIT_STD / math.sqrt(2 * config.n_layer)
-    assert model.blocks[0].attn.proj.weight.std().item() == pytest.approx(scaled, rel=0.1)
-    assert model.blocks[-1].mlp.proj.weight.std().item() == pytest.approx(scaled, rel=0.1)
+    assert model.blocks[0].attn.proj.weight.std().item() == pytest.approx(
+        scaled, rel=0.1
+    )
+    assert model.blocks[-1].mlp.proj.weight.std().item() == pytest.approx(
+        scaled, rel=0.1
+    )
 
 
 def test_generate_appends_max_new_tokens():
-    out = make_model().generate(random_tokens(2, 3), max_new_tokens=7,
-                                generator=torch.Generator().manual_seed(0))
+    out = make_model().generate(
+        random_tokens(2, 3),
+        max_new_tokens=7,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out.shape == (2, 10)
     assert out.dtype == torch.int64
 
@@ -336,7 +412,9 @@ def test_generate_is_deterministic_for_a_fixed_generator_seed():
 def test_generate_builds_no_autograd_graph():
     model = make_model()
     assert all(p.requires_grad for p in model.parameters())
-    out = model.generate(random_tokens(1, 3), 5, generator=torch.Generator().manual_seed(0))
+    out = model.generate(
+        random_tokens(1, 3), 5, generator=torch.Generator().manual_seed(0)
+    )
     assert out.grad_fn is None and not out.requires_grad
     assert torch.is_inference(out)
 
@@ -347,8 +425,10 @@ def test_generate_crops_a_long_prompt_to_block_size():
     out = model.generate(prompt, 3, generator=torch.Generator().manual_seed(0))
     # The first new token depends only on the last block_size tokens: sampling it
     # by hand from the cropped prompt with the same seed gives the same token.
-    logits = model(prompt[:, -CONFIG.block_size:])[:, -1, :]
-    first = torch.multinomial(logits.softmax(-1), 1, generator=torch.Generator().manual_seed(0))
+    logits = model(prompt[:, -CONFIG.block_size :])[:, -1, :]
+    first = torch.multinomial(
+        logits.softmax(-1), 1, generator=torch.Generator().manual_seed(0)
+    )
     assert out.shape == (1, CONFIG.block_size + 8)
     assert torch.equal(out[:, : prompt.size(1)], prompt)
     assert out[0, prompt.size(1)].item() == first.item()
@@ -361,12 +441,16 @@ def test_generate_top_k_1_is_greedy():
 
 
 def test_too_long_input_raises_a_clear_error():
-    with pytest.raises(ValueError, match=r"time <= block_size=16, got torch.int64 of shape \(1, 17\)"):
+    with pytest.raises(
+        ValueError, match=r"time <= block_size=16, got torch.int64 of shape \(1, 17\)"
+    ):
         make_model()(random_tokens(1, CONFIG.block_size + 1))
 
 
 def test_float_input_raises_a_clear_error():
-    with pytest.raises(ValueError, match=r"idx must be int64 or int32 token ids.*got torch.float32"):
+    with pytest.raises(
+        ValueError, match=r"idx must be int64 or int32 token ids.*got torch.float32"
+    ):
         make_model()(torch.zeros(1, 4))
 
 
@@ -383,14 +467,18 @@ def test_config_rejects_d_model_not_divisible_by_n_head():
 def test_token_id_equal_to_vocab_size_is_refused_naming_id_and_vocab_size():
     idx = random_tokens(2, 5)
     idx[1, 3] = CONFIG.vocab_size
-    with pytest.raises(ValueError, match=r"token id 65 at position \(1, 3\).*\[0, 65\)"):
+    with pytest.raises(
+        ValueError, match=r"token id 65 at position \(1, 3\).*\[0, 65\)"
+    ):
         make_model()(idx)
 
 
 def test_negative_token_id_is_refused_naming_it():
     idx = random_tokens(1, 4)
     idx[0, 0] = -1
-    with pytest.raises(ValueError, match=r"GPT.forward: idx holds token id -1 .*\[0, 65\)"):
+    with pytest.raises(
+        ValueError, match=r"GPT.forward: idx holds token id -1 .*\[0, 65\)"
+    ):
         make_model()(idx)
 
 
@@ -404,7 +492,9 @@ def test_check_token_ids_accepts_the_full_range_and_an_empty_batch():
     check_token_ids(torch.tensor([[0, CONFIG.vocab_size - 1]]), CONFIG.vocab_size)
     check_token_ids(torch.zeros(0, 4, dtype=torch.long), CONFIG.vocab_size)
     with pytest.raises(ValueError, match=r"batch holds token id 65"):
-        check_token_ids(torch.tensor([[CONFIG.vocab_size]]), CONFIG.vocab_size, where="batch")
+        check_token_ids(
+            torch.tensor([[CONFIG.vocab_size]]), CONFIG.vocab_size, where="batch"
+        )
 
 
 # Chapter 2 shows pieces of models.py as ```{.python filename="code/torchbook/models.py"}```
@@ -412,15 +502,23 @@ def test_check_token_ids_accepts_the_full_range_and_an_empty_batch():
 MODELS_PATH = Path(__file__).resolve().parents[1] / "code" / "torchbook" / "models.py"
 CHAPTER_2 = Path(__file__).resolve().parents[1] / "chapters" / "02-modules.qmd"
 SHOWN_BLOCK = re.compile(
-    r'^```\{\.python filename="code/torchbook/models\.py"\}\n(.*?)^```$', re.DOTALL | re.MULTILINE
+    r'^```\{\.python filename="code/torchbook/models\.py"\}\n(.*?)^```$',
+    re.DOTALL | re.MULTILINE,
 )
 
 
 def test_chapter_2_shows_models_py_pieces_verbatim():
     blocks = SHOWN_BLOCK.findall(CHAPTER_2.read_text(encoding="utf-8"))
     source = MODELS_PATH.read_text(encoding="utf-8")
-    pieces = {"class CausalSelfAttention", "class Block", "    def forward(\n        self, idx", "class TinyMLP"}
+    pieces = {
+        "class CausalSelfAttention",
+        "class Block",
+        "    def forward(\n        self, idx",
+        "class TinyMLP",
+    }
     shown = {name for name in pieces if any(name in block for block in blocks)}
     assert shown == pieces, shown
     stale = [block.splitlines()[0] for block in blocks if block not in source]
-    assert not stale, f"chapter 2 shows code that is not in models.py as written: {stale}"
+    assert not stale, (
+        f"chapter 2 shows code that is not in models.py as written: {stale}"
+    )

@@ -10,13 +10,20 @@ import torch
 from torch import nn
 
 from torchbook.optim import (
-    OptimizerConfig, apply_config, build_optimizer, build_schedule, learning_rate, load_optimizer_state,
-    optimizer_layout_problems, parameter_groups,
+    OptimizerConfig,
+    apply_config,
+    build_optimizer,
+    build_schedule,
+    learning_rate,
+    load_optimizer_state,
+    optimizer_layout_problems,
+    parameter_groups,
 )
 
 
-def stepped(config: OptimizerConfig, steps: int = 3
-            ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def stepped(
+    config: OptimizerConfig, steps: int = 3
+) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """A small model whose book optimizer has taken ``steps`` steps (so it has moments)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
@@ -30,7 +37,10 @@ def stepped(config: OptimizerConfig, steps: int = 3
 
 
 def test_an_optimizer_config_names_the_field_that_is_wrong():
-    with pytest.raises(ValueError, match=r"OptimizerConfig.warmup_steps must be an int in \[0, max_steps=10\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"OptimizerConfig.warmup_steps must be an int in \[0, max_steps=10\]",
+    ):
         OptimizerConfig(max_steps=10, warmup_steps=11)
     with pytest.raises(ValueError, match=r"min_lr=0.1, lr=0.01"):
         OptimizerConfig(lr=0.01, min_lr=0.1)
@@ -38,31 +48,45 @@ def test_an_optimizer_config_names_the_field_that_is_wrong():
 
 def test_a_saved_state_of_the_same_optimizer_has_no_problems():
     _, optimizer, _ = stepped(OptimizerConfig(max_steps=10, warmup_steps=2))
-    assert optimizer_layout_problems(copy.deepcopy(optimizer.state_dict()), optimizer) == []
+    assert (
+        optimizer_layout_problems(copy.deepcopy(optimizer.state_dict()), optimizer)
+        == []
+    )
 
 
 def test_a_scalar_parameter_whose_moments_are_0_dim_is_not_refused():
     class Scaled(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.linear, self.temperature = nn.Linear(4, 2), nn.Parameter(torch.tensor(1.0))
+            self.linear, self.temperature = (
+                nn.Linear(4, 2),
+                nn.Parameter(torch.tensor(1.0)),
+            )
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.linear(x) / self.temperature
 
     model = Scaled()
-    optimizer, _ = build_optimizer(model, OptimizerConfig(max_steps=10, warmup_steps=2), torch.device("cpu"))
+    optimizer, _ = build_optimizer(
+        model, OptimizerConfig(max_steps=10, warmup_steps=2), torch.device("cpu")
+    )
     model(torch.randn(5, 4)).square().mean().backward()
     optimizer.step()
-    assert optimizer.state[model.temperature]["exp_avg"].dim() == 0  # a moment and a step count look alike here
-    assert optimizer_layout_problems(copy.deepcopy(optimizer.state_dict()), optimizer) == []
+    # a moment and a step count look alike here
+    assert optimizer.state[model.temperature]["exp_avg"].dim() == 0
+    assert (
+        optimizer_layout_problems(copy.deepcopy(optimizer.state_dict()), optimizer)
+        == []
+    )
 
 
 def test_amsgrad_switched_on_is_refused_though_torch_loads_it_and_then_fails():
     model, optimizer, _ = stepped(OptimizerConfig(max_steps=10, warmup_steps=2))
     saved = copy.deepcopy(optimizer.state_dict())
     saved["param_groups"][0]["amsgrad"] = True
-    assert optimizer_layout_problems(saved, optimizer) == ["optimizer group 0: amsgrad=True in the state, False here"]
+    assert optimizer_layout_problems(saved, optimizer) == [
+        "optimizer group 0: amsgrad=True in the state, False here"
+    ]
     # the independent check that the refusal matters: torch loads it, and the next step fails
     optimizer.load_state_dict(saved)
     model(torch.randn(5, 4)).square().mean().backward()
@@ -75,18 +99,29 @@ def test_a_moment_of_another_shape_is_refused_though_torch_loads_it():
     saved = copy.deepcopy(optimizer.state_dict())
     saved["state"][0]["exp_avg"] = torch.zeros(3)
     assert optimizer_layout_problems(saved, optimizer) == [
-        "optimizer state of parameter 0: 'exp_avg' has shape (3,), the parameter (8, 4)"]
+        "optimizer state of parameter 0: 'exp_avg' has shape (3,), the parameter (8, 4)"
+    ]
     # torch loads it without a word. Not stepped here: the fused kernel then writes past the
     # moment's 3 floats (seen once as glibc's "free(): invalid next size" as the process ended).
     optimizer.load_state_dict(saved)
     assert optimizer.state_dict()["state"][0]["exp_avg"].shape == (3,)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda s: s["param_groups"].pop(), r"optimizer: 1 parameter groups in the state, 2 here"),
-    (lambda s: s["param_groups"][0]["params"].pop(), r"optimizer group 0: 1 parameters in the state, 2 here"),
-    (lambda s: s.pop("state"), r"optimizer: expected a dict with 'state'"),
-], ids=["one-group", "group-of-another-size", "no-state"])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda s: s["param_groups"].pop(),
+            r"optimizer: 1 parameter groups in the state, 2 here",
+        ),
+        (
+            lambda s: s["param_groups"][0]["params"].pop(),
+            r"optimizer group 0: 1 parameters in the state, 2 here",
+        ),
+        (lambda s: s.pop("state"), r"optimizer: expected a dict with 'state'"),
+    ],
+    ids=["one-group", "group-of-another-size", "no-state"],
+)
 def test_another_group_layout_is_named(damage, message):
     _, optimizer, _ = stepped(OptimizerConfig(max_steps=10, warmup_steps=2))
     saved = copy.deepcopy(optimizer.state_dict())
@@ -98,8 +133,11 @@ def test_another_group_layout_is_named(damage, message):
 def test_a_state_saved_without_the_fused_kernel_loads_into_a_fused_optimizer():
     config = OptimizerConfig(max_steps=10, warmup_steps=2)
     model, _, _ = stepped(config, steps=0)
-    unfused = torch.optim.AdamW(parameter_groups(model, config.weight_decay), lr=config.lr, betas=config.betas)
-    build_schedule(unfused, config)  # as build_optimizer does: it sets the groups' initial_lr
+    unfused = torch.optim.AdamW(
+        parameter_groups(model, config.weight_decay), lr=config.lr, betas=config.betas
+    )
+    # as build_optimizer does: it sets the groups' initial_lr
+    build_schedule(unfused, config)
     model(torch.randn(5, 4)).square().mean().backward()
     unfused.step()
     saved = copy.deepcopy(unfused.state_dict())
@@ -112,7 +150,8 @@ def test_a_state_saved_without_the_fused_kernel_loads_into_a_fused_optimizer():
 
     as_torch_loads_it, _ = build_optimizer(model, config, torch.device("cpu"))
     as_torch_loads_it.load_state_dict(copy.deepcopy(saved))
-    with pytest.raises(AssertionError):  # torch took fused=None from the file; the scaler still sees a fused optimizer
+    # torch took fused=None from the file; the scaler still sees a fused optimizer
+    with pytest.raises(AssertionError):
         scaled_step(as_torch_loads_it)
     fused, _ = build_optimizer(model, config, torch.device("cpu"))
     assert optimizer_layout_problems(saved, fused) == []
@@ -134,7 +173,13 @@ def test_applying_the_saved_config_changes_nothing_and_a_new_one_sets_the_next_r
     resumed, resumed_schedule = build_optimizer(model, changed, torch.device("cpu"))
     resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     resumed_schedule.load_state_dict(scheduler.state_dict())
-    assert resumed.param_groups[0]["lr"] == pytest.approx(learning_rate(4, config)), "loading restores the old rate"
+    assert resumed.param_groups[0]["lr"] == pytest.approx(learning_rate(4, config)), (
+        "loading restores the old rate"
+    )
     apply_config(resumed, resumed_schedule, changed)
-    assert [group["lr"] for group in resumed.param_groups] == [pytest.approx(learning_rate(4, changed))] * 2
-    assert resumed_schedule.get_last_lr() == [group["lr"] for group in resumed.param_groups]
+    assert [group["lr"] for group in resumed.param_groups] == [
+        pytest.approx(learning_rate(4, changed))
+    ] * 2
+    assert resumed_schedule.get_last_lr() == [
+        group["lr"] for group in resumed.param_groups
+    ]

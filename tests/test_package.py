@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "code" / "torchbook"
-HELPERS = {"profiles", "files"}  # any module may import these
+HELPERS = {"device", "profiles", "files"}  # any module may import these
 MODULES = sorted(path.stem for path in PACKAGE.glob("*.py") if path.stem != "__init__")
 
 
@@ -19,12 +19,20 @@ def package_imports(path: Path) -> set[str]:
     """The ``torchbook`` modules that ``path`` imports, by their short names."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torchbook."):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.startswith("torchbook.")
+        ):
             names.add(node.module.split(".")[1])
         elif isinstance(node, ast.ImportFrom) and node.module == "torchbook":
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[1] for alias in node.names if alias.name.startswith("torchbook."))
+            names.update(
+                alias.name.split(".")[1]
+                for alias in node.names
+                if alias.name.startswith("torchbook.")
+            )
     return names
 
 
@@ -34,15 +42,21 @@ def test_a_module_builds_on_another_only_where_its_docstring_says_so(module):
     others = sorted(package_imports(path) - HELPERS)
     docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
     if others:
-        assert "builds on" in docstring, f"{module} imports {others} but its docstring says not what it builds on"
+        assert "builds on" in docstring, (
+            f"{module} imports {others} but its docstring says not what it builds on"
+        )
         unnamed = [name for name in others if f"torchbook.{name}" not in docstring]
-        assert not unnamed, f"{module}'s docstring does not name torchbook.{unnamed[0]}, which it imports"
+        assert not unnamed, (
+            f"{module}'s docstring does not name torchbook.{unnamed[0]}, which it imports"
+        )
 
 
 def test_the_package_docstring_lists_every_module():
     import torchbook
 
-    unlisted = [module for module in MODULES if f"``{module}``" not in (torchbook.__doc__ or "")]
+    unlisted = [
+        module for module in MODULES if f"``{module}``" not in (torchbook.__doc__ or "")
+    ]
     assert not unlisted, f"torchbook/__init__.py does not describe {unlisted}"
 
 
@@ -97,16 +111,25 @@ def copy_errors(tmp_path_factory) -> dict[str, str]:
         copied.mkdir()
         (copied / "__init__.py").write_text("", encoding="utf-8")
         for name in declared_closure(module):
-            (copied / f"{name}.py").write_text((PACKAGE / f"{name}.py").read_text(encoding="utf-8"),
-                                               encoding="utf-8")
+            (copied / f"{name}.py").write_text(
+                (PACKAGE / f"{name}.py").read_text(encoding="utf-8"), encoding="utf-8"
+            )
         folders[module] = str(project)
-    result = subprocess.run([sys.executable, "-c", PROBE, json.dumps(folders)], capture_output=True,
-                            text=True, timeout=600, cwd=tmp_path_factory.getbasetemp())
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(folders)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path_factory.getbasetemp(),
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("module", MODULES)
-def test_a_module_copied_with_what_it_declares_imports_without_the_package(module, copy_errors):
+def test_a_module_copied_with_what_it_declares_imports_without_the_package(
+    module, copy_errors
+):
     assert module not in copy_errors, (
-        f"{module} copied with {sorted(declared_closure(module))} does not import: {copy_errors[module]}")
+        f"{module} copied with {sorted(declared_closure(module))} does not import: {copy_errors[module]}"
+    )

@@ -11,8 +11,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from torchbook.plotting import plot_diagnostics, plot_history  # noqa: E402
 
-HISTORY = [{"step": 10, "loss": 3.0}, {"step": 20, "loss": 2.5, "val_loss": 2.7},
-           {"step": 30, "loss": 2.2}, {"step": 40, "loss": 2.0, "val_loss": 2.3}]
+HISTORY = [
+    {"step": 10, "loss": 3.0},
+    {"step": 20, "loss": 2.5, "val_loss": 2.7},
+    {"step": 30, "loss": 2.2},
+    {"step": 40, "loss": 2.0, "val_loss": 2.3},
+]
 
 
 @pytest.fixture
@@ -30,10 +34,17 @@ def test_train_and_sparse_validation_curves_with_labelled_axes(close_figures):
     ax = figure.axes[0]
     lines = lines_by_label(figure)
     assert list(lines["train"].get_xdata()) == [10, 20, 30, 40]
-    assert list(lines["validation"].get_xdata()) == [20, 40]  # only rows that have val_loss
+    # only rows that have val_loss
+    assert list(lines["validation"].get_xdata()) == [
+        20,
+        40,
+    ]
     assert list(lines["validation"].get_ydata()) == [2.7, 2.3]
     assert ax.get_xlabel() == "optimizer step" and "nats" in ax.get_ylabel()
-    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["train", "validation"]
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == [
+        "train",
+        "validation",
+    ]
 
 
 def test_reference_line_is_drawn_at_its_value_and_labelled(close_figures):
@@ -43,13 +54,21 @@ def test_reference_line_is_drawn_at_its_value_and_labelled(close_figures):
     assert len(horizontal) == 1 and horizontal[0].get_linestyle() == "--"
     assert "unigram baseline" in [text.get_text() for text in ax.texts]
     # The legend lists curves only, not the baseline (it is labelled on the plot itself).
-    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["train", "validation"]
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == [
+        "train",
+        "validation",
+    ]
 
 
 def test_several_runs_get_one_colour_each_and_prefixed_labels(close_figures):
     figure = plot_history({"fp32": HISTORY, "bf16": HISTORY})
     lines = lines_by_label(figure)
-    assert set(lines) == {"fp32: train", "fp32: validation", "bf16: train", "bf16: validation"}
+    assert set(lines) == {
+        "fp32: train",
+        "fp32: validation",
+        "bf16: train",
+        "bf16: validation",
+    }
     assert lines["fp32: train"].get_color() == lines["fp32: validation"].get_color()
     assert lines["fp32: train"].get_color() != lines["bf16: train"].get_color()
 
@@ -63,8 +82,21 @@ def test_drawing_into_a_given_axes_returns_its_figure(close_figures):
 
 DIAGNOSTIC_HISTORY = [
     {"step": 10, "loss": 3.0, "lr": 1e-3, "grad_norm": 4.0, "tokens_per_second": 900.0},
-    {"step": 20, "loss": 2.5, "lr": 2e-3, "grad_norm": 0.8, "tokens_per_second": 1000.0, "val_loss": 2.7},
-    {"step": 30, "loss": 2.2, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_second": 1100.0},
+    {
+        "step": 20,
+        "loss": 2.5,
+        "lr": 2e-3,
+        "grad_norm": 0.8,
+        "tokens_per_second": 1000.0,
+        "val_loss": 2.7,
+    },
+    {
+        "step": 30,
+        "loss": 2.2,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens_per_second": 1100.0,
+    },
 ]
 
 
@@ -72,7 +104,10 @@ def test_diagnostics_draw_lr_grad_norm_and_throughput_one_panel_each(close_figur
     figure = plot_diagnostics(DIAGNOSTIC_HISTORY)
     lr_ax, norm_ax, speed_ax = figure.axes
     assert [ax.get_ylabel() for ax in figure.axes] == [
-        "learning rate", "gradient norm before clipping", "tokens per second"]
+        "learning rate",
+        "gradient norm before clipping",
+        "tokens per second",
+    ]
     assert list(lr_ax.get_lines()[0].get_ydata()) == [1e-3, 2e-3, 1e-3]
     assert list(norm_ax.get_lines()[0].get_ydata()) == [4.0, 0.8, 0.5]
     assert list(speed_ax.get_lines()[0].get_xdata()) == [10, 20, 30]
@@ -112,8 +147,15 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from torchbook.diagrams import (  # noqa: E402
-    BUFFER_COLOUR, PARAMETER_COLOUR, SAVED_BUFFER_COLOUR, STRETCHED_COLOUR, broadcast_shape,
-    plot_broadcasting, plot_memory_layout, plot_module_tree, storage_positions,
+    BUFFER_COLOUR,
+    PARAMETER_COLOUR,
+    SAVED_BUFFER_COLOUR,
+    STRETCHED_COLOUR,
+    broadcast_shape,
+    plot_broadcasting,
+    plot_memory_layout,
+    plot_module_tree,
+    storage_positions,
 )
 
 
@@ -126,28 +168,56 @@ def test_storage_positions_match_where_torch_reads_each_element():
     # an independent record of where torch itself reads every element.
     storage = torch.arange(60)
     view = storage.view(3, 4, 5).permute(1, 0, 2)[1:, :, ::2]
-    assert storage_positions(view.shape, view.stride(), view.storage_offset()) == view.flatten().tolist()
+    assert (
+        storage_positions(view.shape, view.stride(), view.storage_offset())
+        == view.flatten().tolist()
+    )
 
 
 def strip_values(ax, rows: int) -> list[str]:
     """The storage strip's labels, left to right (the strip is drawn at y = -rows - 0.1)."""
-    strip = [text for text in ax.texts if abs(text.get_position()[1] - (-rows - 0.1)) < 1e-9
-             and text.get_text() != "storage"]
-    return [text.get_text() for text in sorted(strip, key=lambda text: text.get_position()[0])]
+    strip = [
+        text
+        for text in ax.texts
+        if abs(text.get_position()[1] - (-rows - 0.1)) < 1e-9
+        and text.get_text() != "storage"
+    ]
+    return [
+        text.get_text()
+        for text in sorted(strip, key=lambda text: text.get_position()[0])
+    ]
 
 
 def test_memory_path_walks_rows_of_a_tensor_and_columns_of_its_transpose(close_figures):
     matrix = torch.arange(6).view(2, 3)
     figure = plot_memory_layout({"m": matrix, "m.t()": matrix.t()})
     row_path, column_path = (ax.get_lines()[0] for ax in figure.axes)
-    assert list(row_path.get_xdata()) == [0.5, 1.5, 2.5, 0.5, 1.5, 2.5]  # along each row
-    assert list(column_path.get_xdata()) == [0.5, 0.5, 0.5, 1.5, 1.5, 1.5]  # down each column
+    # along each row
+    assert list(row_path.get_xdata()) == [
+        0.5,
+        1.5,
+        2.5,
+        0.5,
+        1.5,
+        2.5,
+    ]
+    # down each column
+    assert list(column_path.get_xdata()) == [
+        0.5,
+        0.5,
+        0.5,
+        1.5,
+        1.5,
+        1.5,
+    ]
     assert "m.t(): shape (3, 2), stride (1, 3)" == figure.axes[1].get_title(loc="left")
 
 
 def test_a_view_shares_the_storage_strip_and_a_copy_reorders_its_own(close_figures):
     matrix = torch.arange(6).view(2, 3)
-    view_ax, copy_ax = plot_memory_layout({"view": matrix.t(), "copy": matrix.t().contiguous()}).axes
+    view_ax, copy_ax = plot_memory_layout(
+        {"view": matrix.t(), "copy": matrix.t().contiguous()}
+    ).axes
     assert strip_values(view_ax, rows=3) == ["0", "1", "2", "3", "4", "5"]
     assert strip_values(copy_ax, rows=3) == ["0", "3", "1", "4", "2", "5"]
 
@@ -157,8 +227,16 @@ def test_memory_layout_refuses_four_dimensions_naming_the_tensor(close_figures):
         plot_memory_layout({"big": torch.zeros(1, 1, 1, 1)})
 
 
-@pytest.mark.parametrize("shapes", [((4, 4), (2, 2, 4, 4)), ((8,), (2, 4, 8)), ((2, 4, 1), (2, 4, 8)),
-                                    ((3, 1), (1, 5)), ((1,), ())])
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((4, 4), (2, 2, 4, 4)),
+        ((8,), (2, 4, 8)),
+        ((2, 4, 1), (2, 4, 8)),
+        ((3, 1), (1, 5)),
+        ((1,), ()),
+    ],
+)
 def test_broadcast_shape_agrees_with_torch(shapes):
     assert broadcast_shape(*shapes) == tuple(torch.broadcast_shapes(*shapes))
 
@@ -169,14 +247,22 @@ def test_broadcast_shape_refuses_sizes_that_differ_naming_the_dimension():
 
 
 def test_broadcasting_picture_marks_stretched_dimensions_and_the_result(close_figures):
-    figure = plot_broadcasting({"scale": [("inv_rms", (2, 4, 1)), ("x", (2, 4, 8))],
-                                "mask": [("mask", (4, 4)), ("scores", (2, 2, 4, 4))]})
+    figure = plot_broadcasting(
+        {
+            "scale": [("inv_rms", (2, 4, 1)), ("x", (2, 4, 8))],
+            "mask": [("mask", (4, 4)), ("scores", (2, 2, 4, 4))],
+        }
+    )
     scale_ax, mask_ax = figure.axes
     assert "1→8" in texts_of(scale_ax) and texts_of(mask_ax).count("·→2") == 2
-    stretched = [patch for patch in scale_ax.patches if patch.get_facecolor()[:3] == matplotlib.colors.to_rgb(
-        STRETCHED_COLOUR)]
+    stretched = [
+        patch
+        for patch in scale_ax.patches
+        if patch.get_facecolor()[:3] == matplotlib.colors.to_rgb(STRETCHED_COLOUR)
+    ]
     assert len(stretched) == 1  # only inv_rms's last dimension stretches
-    result_row = [text for text in texts_of(mask_ax)][-8:-4]  # the result row, before the column numbers
+    # the result row, before the column numbers
+    result_row = [text for text in texts_of(mask_ax)][-8:-4]
     assert result_row == ["2", "2", "4", "4"]
 
 
@@ -187,27 +273,35 @@ class TiedWithBuffers(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(3))
         self.head = nn.Linear(3, 5, bias=False)
         self.head.weight = self.embed.weight
-        self.register_buffer("mask", torch.ones(2, 2, dtype=torch.bool), persistent=False)
+        self.register_buffer(
+            "mask", torch.ones(2, 2, dtype=torch.bool), persistent=False
+        )
         self.register_buffer("running", torch.zeros(3))
 
 
 def test_module_tree_colours_parameters_and_both_kinds_of_buffer(close_figures):
     tree_ax = plot_module_tree(TiedWithBuffers()).axes[0]
     colour_of = {text.get_text(): text.get_color() for text in tree_ax.texts}
-    assert colour_of["mask 2×2 bool"] == BUFFER_COLOUR  # persistent=False: not in state_dict
+    # persistent=False: not in state_dict
+    assert colour_of["mask 2×2 bool"] == BUFFER_COLOUR
     assert colour_of["running 3"] == SAVED_BUFFER_COLOUR
     assert colour_of["weight 5×3"] == PARAMETER_COLOUR
-    assert "weight 5×3 = embed.weight" in colour_of  # the head's weight is the embedding's
+    # the head's weight is the embedding's
+    assert "weight 5×3 = embed.weight" in colour_of
 
 
-def test_module_tree_counts_a_tied_weight_once_and_collapses_repeated_layers(close_figures):
+def test_module_tree_counts_a_tied_weight_once_and_collapses_repeated_layers(
+    close_figures,
+):
     model = TiedWithBuffers()
     tree_ax, count_ax = plot_module_tree(model).axes
     counts = [text.get_text().strip() for text in count_ax.texts]
-    assert counts[0] == f"{sum(p.numel() for p in model.parameters()):,}" == "51"  # 15 + 3 * 12, tie once
+    # 15 + 3 * 12, tie once
+    assert counts[0] == f"{sum(p.numel() for p in model.parameters()):,}" == "51"
     assert "1–2" in [text.get_text().strip() for text in tree_ax.texts]
     assert "2 × Linear" in texts_of(tree_ax)
-    assert not any(text.strip() == "2" for text in texts_of(tree_ax))  # layers.2 is folded into 1–2
+    # layers.2 is folded into 1–2
+    assert not any(text.strip() == "2" for text in texts_of(tree_ax))
     expanded = plot_module_tree(model, collapse_repeats=False).axes[0]
     assert "2" in [text.get_text().strip() for text in expanded.texts]
 
@@ -217,16 +311,22 @@ class ManyBuffers(nn.Module):
         super().__init__()
         self.layer = nn.Linear(2, 2)
         for index in range(4):  # too long for one row at the normal font size
-            self.register_buffer(f"table_number_{index}", torch.zeros(256, 256), persistent=False)
+            self.register_buffer(
+                f"table_number_{index}", torch.zeros(256, 256), persistent=False
+            )
 
 
 def test_module_tree_fits_a_long_row_of_tensors_inside_its_panel(close_figures):
     figure = plot_module_tree(ManyBuffers())
     tree_ax = figure.axes[0]
     renderer = figure.canvas.get_renderer()
-    labels = [text for text in tree_ax.texts if text.get_text().startswith("table_number_")]
+    labels = [
+        text for text in tree_ax.texts if text.get_text().startswith("table_number_")
+    ]
     assert len(labels) == 4  # every buffer is still named, in a smaller font
     assert all(text.get_fontsize() < 7.5 for text in labels)
-    right_edges = [text.get_window_extent(renderer).transformed(tree_ax.transAxes.inverted()).x1
-                   for text in labels]
+    right_edges = [
+        text.get_window_extent(renderer).transformed(tree_ax.transAxes.inverted()).x1
+        for text in labels
+    ]
     assert max(right_edges) <= 1.0  # and none runs into the parameter bars

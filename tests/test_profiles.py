@@ -10,7 +10,14 @@ from torchbook import profiles as profile
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(None, "cpu"), ("", "cpu"), ("cpu", "cpu"), ("gpu", "gpu"), ("draft,gpu", "gpu"), (" gpu , draft ", "gpu")],
+    [
+        (None, "cpu"),
+        ("", "cpu"),
+        ("cpu", "cpu"),
+        ("gpu", "gpu"),
+        ("draft,gpu", "gpu"),
+        (" gpu , draft ", "gpu"),
+    ],
 )
 def test_profile_name_is_read_from_a_comma_separated_list(value, expected):
     assert profile.parse_profile(value) == expected
@@ -32,7 +39,9 @@ def test_default_profile_is_cpu_in_float32(monkeypatch):
 def test_gpu_profile_without_accelerator_stops_with_a_clear_message(monkeypatch):
     monkeypatch.setenv(profile.PROFILE_VARIABLE, "gpu")
     monkeypatch.setattr(profile, "accelerator", lambda: None)
-    with pytest.raises(profile.ProfileError, match="needs CUDA or MPS, and this machine has neither"):
+    with pytest.raises(
+        profile.ProfileError, match="needs CUDA or MPS, and this machine has neither"
+    ):
         profile.active_profile()
 
 

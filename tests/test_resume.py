@@ -39,7 +39,11 @@ def load_demo():
 
 
 demo_module = load_demo()
-BYTE_VOCAB, Run, byte_shard = demo_module.BYTE_VOCAB, demo_module.Run, demo_module.byte_shard
+BYTE_VOCAB, Run, byte_shard = (
+    demo_module.BYTE_VOCAB,
+    demo_module.Run,
+    demo_module.byte_shard,
+)
 
 STEPS = 12
 SAVE_EVERY = 4
@@ -48,9 +52,26 @@ SUBPROCESS_TIMEOUT_S = 120
 
 
 def demo(folder: Path, out: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, str(DEMO), "--folder", str(folder), "--out", str(out),
-               "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *extra]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    command = [
+        sys.executable,
+        str(DEMO),
+        "--folder",
+        str(folder),
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        str(SAVE_EVERY),
+        *extra,
+    ]
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+    )
 
 
 def finish(process: subprocess.Popen) -> tuple[int, str]:
@@ -66,7 +87,9 @@ def assert_ran(process: subprocess.Popen) -> str:
 
 def assert_killed(process: subprocess.Popen) -> str:
     code, output = finish(process)
-    assert code == -signal.SIGKILL, f"expected death by SIGKILL, got return code {code}:\n{output}"
+    assert code == -signal.SIGKILL, (
+        f"expected death by SIGKILL, got return code {code}:\n{output}"
+    )
     return output
 
 
@@ -74,30 +97,39 @@ def assert_killed(process: subprocess.Popen) -> str:
 def test_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_run(tmp_path):
     # the two first runs are independent: run them side by side
     uninterrupted = demo(tmp_path / "a", tmp_path / "a.pt")
-    killed = demo(tmp_path / "b", tmp_path / "b.pt", "--kill-after-checkpoint", str(KILL_AFTER))
+    killed = demo(
+        tmp_path / "b", tmp_path / "b.pt", "--kill-after-checkpoint", str(KILL_AFTER)
+    )
     assert_ran(uninterrupted)
     output = assert_killed(killed)
     assert f"killed after checkpoint {KILL_AFTER}" in output
     assert not (tmp_path / "b.pt").exists()
     latest = ckpt.latest_checkpoint(tmp_path / "b")
-    assert ckpt.read_training_checkpoint(latest).trainer["step"] == KILL_AFTER * SAVE_EVERY
+    assert (
+        ckpt.read_training_checkpoint(latest).trainer["step"] == KILL_AFTER * SAVE_EVERY
+    )
 
     output = assert_ran(demo(tmp_path / "b", tmp_path / "b.pt", "--resume"))
     assert f"resumed from {latest.name}" in output
     a = torch.load(tmp_path / "a.pt", weights_only=True)
     b = torch.load(tmp_path / "b.pt", weights_only=True)
     assert a["steps"] == b["steps"] == list(range(1, STEPS + 1))
-    assert a["losses"] == b["losses"]  # exact float equality: bit-exact resume, no tolerance
+    # exact float equality: bit-exact resume, no tolerance
+    assert a["losses"] == b["losses"]
     assert a["weights"].keys() == b["weights"].keys()
     for name in a["weights"]:
-        assert torch.equal(a["weights"][name], b["weights"][name]), f"{name} differs after resume"
+        assert torch.equal(a["weights"][name], b["weights"][name]), (
+            f"{name} differs after resume"
+        )
 
 
 @pytest.mark.slow
 def test_resuming_without_the_rng_state_is_not_exact(tmp_path):
     """The control for the test above: dropout draws from the RNG, so skipping its state changes the run."""
     uninterrupted = demo(tmp_path / "a", tmp_path / "a.pt")
-    killed = demo(tmp_path / "b", tmp_path / "b.pt", "--kill-after-checkpoint", str(KILL_AFTER))
+    killed = demo(
+        tmp_path / "b", tmp_path / "b.pt", "--kill-after-checkpoint", str(KILL_AFTER)
+    )
     assert_ran(uninterrupted)
     assert_killed(killed)
     assert_ran(demo(tmp_path / "b", tmp_path / "b.pt", "--resume", "--no-restore-rng"))
@@ -114,24 +146,30 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     output = assert_killed(demo(folder, tmp_path / "out.pt", "--kill-during-save", "3"))
     assert "killed while writing" in output
     partial = [path for path in folder.iterdir() if is_temporary(path)]
-    assert len(partial) == 1 and partial[0].stat().st_size > 0  # the half-written save is on disk...
+    # the half-written save is on disk...
+    assert len(partial) == 1 and partial[0].stat().st_size > 0
     with pytest.raises(ckpt.CheckpointError, match="truncated torch.save archive"):
         ckpt.read_torch_file(partial[0])  # ...and really is broken
-    previous = ckpt.latest_checkpoint(folder)  # ...but it is never taken for a checkpoint
+    # ...but it is never taken for a checkpoint
+    previous = ckpt.latest_checkpoint(folder)
     assert ckpt.read_training_checkpoint(previous).trainer["step"] == 2 * SAVE_EVERY
 
     output = assert_ran(demo(folder, tmp_path / "out.pt", "--resume"))
     assert f"resumed from {previous.name}" in output
-    assert not [path for path in folder.iterdir() if is_temporary(path)], \
+    assert not [path for path in folder.iterdir() if is_temporary(path)], (
         "the next successful save should remove the leftover temporary"
+    )
 
 
 # ----------------------------------------------------------------- in one process: what Run.save must carry
 
 IN_PROCESS_STEPS = 10
-IN_PROCESS_SAVE_EVERY = 4  # not a multiple of LOG_EVERY: the checkpoint falls between two log rows
+IN_PROCESS_SAVE_EVERY = (
+    4  # not a multiple of LOG_EVERY: the checkpoint falls between two log rows
+)
 LOG_EVERY = 3
-OVERFLOWING_SCALE = 2.0**20  # fp16 gradients times this overflow: the scaler skips the first steps
+# fp16 gradients times this overflow: the scaler skips the first steps
+OVERFLOWING_SCALE = 2.0**20
 
 
 @pytest.fixture
@@ -145,18 +183,41 @@ def one_thread():
 
 def fp16_run(folder: Path, shard: Path) -> Run:
     """A tiny fp16 run whose first steps the GradScaler skips, logging every LOG_EVERY steps."""
-    model_config = GPTConfig(vocab_size=BYTE_VOCAB, block_size=16, n_layer=1, n_head=2, d_model=32, dropout=0.1)
-    train_config = TrainConfig(max_steps=IN_PROCESS_STEPS, lr=1e-3, warmup_steps=2, precision="fp16",
-                               log_every=LOG_EVERY)
+    model_config = GPTConfig(
+        vocab_size=BYTE_VOCAB,
+        block_size=16,
+        n_layer=1,
+        n_head=2,
+        d_model=32,
+        dropout=0.1,
+    )
+    train_config = TrainConfig(
+        max_steps=IN_PROCESS_STEPS,
+        lr=1e-3,
+        warmup_steps=2,
+        precision="fp16",
+        log_every=LOG_EVERY,
+    )
     torch.manual_seed(0)
     trainer = Trainer(GPT(model_config), train_config, torch.device("cpu"))
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=OVERFLOWING_SCALE)
-    stream = TokenStream([shard], StreamConfig(block_size=16, batch_size=4, shuffle=True, seed=0, epochs=None))
-    return Run(folder=folder, model_config=model_config, trainer=trainer,
-               stream=stream, save_every=IN_PROCESS_SAVE_EVERY, keep_last=2)
+    stream = TokenStream(
+        [shard],
+        StreamConfig(block_size=16, batch_size=4, shuffle=True, seed=0, epochs=None),
+    )
+    return Run(
+        folder=folder,
+        model_config=model_config,
+        trainer=trainer,
+        stream=stream,
+        save_every=IN_PROCESS_SAVE_EVERY,
+        keep_last=2,
+    )
 
 
-def test_resume_between_log_rows_after_skipped_steps_matches_an_uninterrupted_run(tmp_path, one_thread):
+def test_resume_between_log_rows_after_skipped_steps_matches_an_uninterrupted_run(
+    tmp_path, one_thread
+):
     """Pending losses, skipped steps and the batches those steps drew all survive a checkpoint."""
     shard = byte_shard(tmp_path)
     whole = fp16_run(tmp_path / "whole", shard)
@@ -165,16 +226,25 @@ def test_resume_between_log_rows_after_skipped_steps_matches_an_uninterrupted_ru
 
     cut = fp16_run(tmp_path / "cut", shard)
     cut.train_until(IN_PROCESS_SAVE_EVERY)
-    assert cut.trainer.skipped_steps > 0, "the demonstration needs fp16 steps that the scaler skipped"
-    resumed = fp16_run(tmp_path / "cut", shard)  # a fresh process would build the same objects
+    assert cut.trainer.skipped_steps > 0, (
+        "the demonstration needs fp16 steps that the scaler skipped"
+    )
+    # a fresh process would build the same objects
+    resumed = fp16_run(tmp_path / "cut", shard)
     resumed.resume(ckpt.latest_checkpoint(tmp_path / "cut"))
     resumed.train_until(IN_PROCESS_STEPS)
     resumed.trainer.log()
 
     assert resumed.trainer.skipped_steps == whole.trainer.skipped_steps
     assert resumed.batches_drawn == whole.batches_drawn
-    assert [row["step"] for row in resumed.trainer.history] == [row["step"] for row in whole.trainer.history]
+    assert [row["step"] for row in resumed.trainer.history] == [
+        row["step"] for row in whole.trainer.history
+    ]
     # exact float equality: same process, one thread, same operations in the same order
-    assert [row["loss"] for row in resumed.trainer.history] == [row["loss"] for row in whole.trainer.history]
+    assert [row["loss"] for row in resumed.trainer.history] == [
+        row["loss"] for row in whole.trainer.history
+    ]
     for name, tensor in whole.trainer.model.state_dict().items():
-        assert torch.equal(resumed.trainer.model.state_dict()[name], tensor), f"{name} differs after resume"
+        assert torch.equal(resumed.trainer.model.state_dict()[name], tensor), (
+            f"{name} differs after resume"
+        )

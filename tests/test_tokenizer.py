@@ -14,7 +14,10 @@ from torchbook.tokenizer import (
     train_bpe,
 )
 
-TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 40
+TEXT = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
+    * 40
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,9 @@ def test_bpe_merges_make_fewer_tokens_than_bytes(text_file):
 
 def test_special_tokens_take_the_first_ids(text_file):
     tokenizer = train_bpe([text_file], vocab_size=300)
-    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(
+        range(len(SPECIAL_TOKENS))
+    )
 
 
 def test_saved_tokenizer_loads_and_encodes_the_same(text_file, tmp_path):
@@ -47,7 +52,9 @@ def test_saved_tokenizer_loads_and_encodes_the_same(text_file, tmp_path):
 
 
 def test_missing_tokenizer_file_is_named(tmp_path):
-    with pytest.raises(TokenizerError, match=r"tokenizer\.json: tokenizer file is missing"):
+    with pytest.raises(
+        TokenizerError, match=r"tokenizer\.json: tokenizer file is missing"
+    ):
         load_tokenizer(tmp_path / "tokenizer.json")
 
 
@@ -72,14 +79,17 @@ def test_cached_tokenizer_is_reused_when_it_loads_and_matches(text_file, tmp_pat
     path = tmp_path / "tokenizer.json"
     first = cached_tokenizer(path, [text_file], vocab_size=300)
     saved = path.read_bytes()
-    missing = tmp_path / "gone.txt"  # training would fail: proves the saved file was used
+    # training would fail: proves the saved file was used
+    missing = tmp_path / "gone.txt"
     again = cached_tokenizer(path, [missing], vocab_size=300)
     assert again.encode(TEXT).ids == first.encode(TEXT).ids
     assert path.read_bytes() == saved
 
 
 @pytest.mark.parametrize("damage", ["truncated", "other vocabulary"])
-def test_cached_tokenizer_is_rebuilt_when_damaged_or_foreign(text_file, tmp_path, damage):
+def test_cached_tokenizer_is_rebuilt_when_damaged_or_foreign(
+    text_file, tmp_path, damage
+):
     path = tmp_path / "tokenizer.json"
     if damage == "truncated":  # a write killed halfway
         save_tokenizer(train_bpe([text_file], vocab_size=300), path)
@@ -94,11 +104,16 @@ def test_cached_tokenizer_is_rebuilt_when_damaged_or_foreign(text_file, tmp_path
 def test_training_on_bytes_that_are_not_utf8_names_the_file(tmp_path):
     path = tmp_path / "latin1.txt"
     path.write_bytes("café crème, déjà vu\n".encode("latin-1") * 20)
-    with pytest.raises(TokenizerError, match=r"latin1\.txt: training failed .*expected UTF-8 text"):
+    with pytest.raises(
+        TokenizerError, match=r"latin1\.txt: training failed .*expected UTF-8 text"
+    ):
         train_bpe([path], vocab_size=300)
 
 
 @pytest.mark.parametrize("vocab_size", ["300", 300.0, 10])
 def test_vocab_size_must_be_an_int_of_at_least_the_byte_alphabet(text_file, vocab_size):
-    with pytest.raises(TokenizerError, match=rf"vocab_size={vocab_size!r}: a byte-level BPE needs an int"):
+    with pytest.raises(
+        TokenizerError,
+        match=rf"vocab_size={vocab_size!r}: a byte-level BPE needs an int",
+    ):
         train_bpe([text_file], vocab_size=vocab_size)

@@ -12,7 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchbook.optim import build_optimizer, learning_rate
-from torchbook.train import IGNORE_INDEX, NonFiniteLossError, StepResult, Trainer, TrainConfig, evaluate
+from torchbook.train import (
+    IGNORE_INDEX,
+    NonFiniteLossError,
+    StepResult,
+    TrainConfig,
+    Trainer,
+    evaluate,
+)
 
 CPU = torch.device("cpu")
 VOCAB, WIDTH, BLOCK = 11, 16, 6
@@ -33,7 +40,8 @@ class TinyLM(nn.Module):
 
 
 def make_model(seed: int = 0) -> TinyLM:
-    with torch.random.fork_rng():  # keep the test's initialisation out of the global RNG
+    # keep the test's initialisation out of the global RNG
+    with torch.random.fork_rng():
         torch.manual_seed(seed)
         return TinyLM()
 
@@ -45,15 +53,21 @@ def token_batch(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def split(x: torch.Tensor, y: torch.Tensor, sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return list(zip(x.split(sizes), y.split(sizes)))
+def split(
+    x: torch.Tensor, y: torch.Tensor, sizes: list[int]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(zip(x.split(sizes), y.split(sizes), strict=True))
 
 
-def big_batch_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+def big_batch_gradients(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """The reference: one forward and backward of the mean loss over the whole batch."""
     model.zero_grad(set_to_none=True)
     logits = model(x)
-    F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=IGNORE_INDEX).backward()
+    F.cross_entropy(
+        logits.flatten(0, -2), y.flatten(), ignore_index=IGNORE_INDEX
+    ).backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
@@ -77,7 +91,9 @@ def test_accumulated_gradients_equal_one_big_batch(sizes, ignore_fraction):
     x, y = token_batch(sum(sizes), seed=1)
     if ignore_fraction == "uneven":
         y = y.clone()
-        y[:3] = IGNORE_INDEX  # the first micro-batch is mostly ignored, the others not at all
+        y[:3] = (
+            IGNORE_INDEX  # the first micro-batch is mostly ignored, the others not at all
+        )
         y[5, :4] = IGNORE_INDEX
     reference = big_batch_gradients(make_model(), x, y)
 
@@ -85,7 +101,9 @@ def test_accumulated_gradients_equal_one_big_batch(sizes, ignore_fraction):
     trainer = Trainer(model, config(accum_steps=len(sizes)), CPU)
     trainer.accumulate_gradients(split(x, y, sizes))
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, reference[name], rtol=RTOL, atol=ATOL, msg=name)
+        torch.testing.assert_close(
+            p.grad, reference[name], rtol=RTOL, atol=ATOL, msg=name
+        )
 
 
 def test_naive_division_by_k_is_wrong_when_ignored_tokens_are_uneven():
@@ -97,7 +115,9 @@ def test_naive_division_by_k_is_wrong_when_ignored_tokens_are_uneven():
     model = make_model()
     for xs, ys in split(x, y, [4, 4]):
         (F.cross_entropy(model(xs).flatten(0, -2), ys.flatten()) / 2).backward()
-    assert not torch.allclose(model.head.weight.grad, reference["head.weight"], rtol=1e-3)
+    assert not torch.allclose(
+        model.head.weight.grad, reference["head.weight"], rtol=1e-3
+    )
 
 
 def test_accumulated_step_updates_weights_like_one_big_batch():
@@ -109,7 +129,9 @@ def test_accumulated_step_updates_weights_like_one_big_batch():
         xs, ys = token_batch(12, seed=10 + step)
         big_trainer.train_step([(xs, ys)])
         accumulated_trainer.train_step(split(xs, ys, [4, 4, 4]))
-    for (name, p), q in zip(big.named_parameters(), accumulated.parameters()):
+    for (name, p), q in zip(
+        big.named_parameters(), accumulated.parameters(), strict=True
+    ):
         # AdamW divides by sqrt(v): a 1e-7 relative change in a gradient moves the update by
         # about as much, so the float32 tolerance above still holds for the weights.
         torch.testing.assert_close(q, p, rtol=RTOL, atol=1e-6, msg=name)
@@ -121,16 +143,27 @@ def test_a_short_final_group_is_one_normalised_step():
     reference = make_model()
     reference_trainer = Trainer(reference, config(accum_steps=1), CPU)
     for group in ([0, 1, 2], [3, 4, 5], [6]):  # each group as one big batch
-        reference_trainer.train_step([(torch.cat([micro_batches[i][0] for i in group]),
-                                       torch.cat([micro_batches[i][1] for i in group]))])
+        reference_trainer.train_step(
+            [
+                (
+                    torch.cat([micro_batches[i][0] for i in group]),
+                    torch.cat([micro_batches[i][1] for i in group]),
+                )
+            ]
+        )
 
     model = make_model()
     trainer = Trainer(model, config(accum_steps=3), CPU)
     batches = iter(micro_batches)
-    while group := list(itertools.islice(batches, 3)):  # the loop a script writes around train_step
+    # the loop a script writes around train_step
+    while group := list(itertools.islice(batches, 3)):
         trainer.train_step(group)
-    assert trainer.step == 3, f"expected 3 optimizer steps from 7 micro-batches, got {trainer.step}"
-    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+    assert trainer.step == 3, (
+        f"expected 3 optimizer steps from 7 micro-batches, got {trainer.step}"
+    )
+    for (name, p), q in zip(
+        reference.named_parameters(), model.parameters(), strict=True
+    ):
         torch.testing.assert_close(q, p, rtol=RTOL, atol=1e-6, msg=name)
 
 
@@ -148,7 +181,9 @@ def test_clipping_caps_the_norm_and_returns_the_norm_before_clipping():
     # rtol 1e-5: two float32 reductions in different orders; clipping multiplies by
     # max_norm / (norm + 1e-6), so the clipped norm sits just under max_norm.
     torch.testing.assert_close(returned, norm_before, rtol=1e-5, atol=0.0)
-    assert norm_after <= 0.01 * (1 + 1e-5), f"clipped norm {norm_after} exceeds max_grad_norm 0.01"
+    assert norm_after <= 0.01 * (1 + 1e-5), (
+        f"clipped norm {norm_after} exceeds max_grad_norm 0.01"
+    )
     torch.testing.assert_close(norm_after, torch.tensor(0.01), rtol=1e-3, atol=0.0)
 
 
@@ -156,7 +191,9 @@ def test_history_records_the_gradient_norm_before_clipping():
     x, y = token_batch(8, seed=5)
     reference = make_model()
     F.cross_entropy(reference(x).flatten(0, -2), y.flatten()).backward()
-    expected = torch.cat([p.grad.flatten() for p in reference.parameters()]).norm().item()
+    expected = (
+        torch.cat([p.grad.flatten() for p in reference.parameters()]).norm().item()
+    )
 
     trainer = Trainer(make_model(), config(max_grad_norm=0.01), CPU)
     trainer.train_step([(x, y)])
@@ -185,19 +222,27 @@ def test_fp16_inf_gradient_skips_the_step_and_halves_the_scale():
     model = make_model()
     trainer = Trainer(model, config(precision="fp16"), CPU)
     trainer.train_step([token_batch(4, seed=7)])  # one normal step first
-    assert trainer.skipped_steps == 0, "the first fp16 step overflowed; the test needs a clean step"
+    assert trainer.skipped_steps == 0, (
+        "the first fp16 step overflowed; the test needs a clean step"
+    )
     weights_before = copy.deepcopy(model.state_dict())
     scale_before = trainer.scaler.get_scale()
     steps_before = trainer.step
 
-    hook = model.hidden.weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    hook = model.hidden.weight.register_hook(
+        lambda grad: torch.full_like(grad, float("inf"))
+    )
     trainer.train_step([token_batch(4, seed=8)])
     hook.remove()
 
-    assert trainer.scaler.get_scale() == scale_before / 2, "the scaler should halve its scale"
+    assert trainer.scaler.get_scale() == scale_before / 2, (
+        "the scaler should halve its scale"
+    )
     assert trainer.step == steps_before and trainer.skipped_steps == 1
     for name, tensor in model.state_dict().items():
-        assert torch.equal(tensor, weights_before[name]), f"{name} changed in a skipped step"
+        assert torch.equal(tensor, weights_before[name]), (
+            f"{name} changed in a skipped step"
+        )
 
 
 def test_add_val_loss_writes_the_pending_row_and_adds_the_validation_loss():
@@ -209,7 +254,9 @@ def test_add_val_loss_writes_the_pending_row_and_adds_the_validation_loss():
     validation = [token_batch(2, seed=50)]
     val_loss = trainer.add_val_loss(validation)
     assert [row["step"] for row in trainer.history] == [3]
-    assert trainer.history[-1]["val_loss"] == val_loss == evaluate(model, validation, CPU)
+    assert (
+        trainer.history[-1]["val_loss"] == val_loss == evaluate(model, validation, CPU)
+    )
     assert model.training, "add_val_loss must leave the model in training mode"
 
 
@@ -245,11 +292,16 @@ def test_nan_loss_raises_an_error_naming_the_step(precision):
 
 def run_short_training(seed: int) -> list[dict]:
     generator = torch.Generator().manual_seed(seed)
-    batches = [(torch.randint(0, VOCAB, (4, BLOCK), generator=generator),
-                torch.randint(0, VOCAB, (4, BLOCK), generator=generator)) for _ in range(12)]
+    batches = [
+        (
+            torch.randint(0, VOCAB, (4, BLOCK), generator=generator),
+            torch.randint(0, VOCAB, (4, BLOCK), generator=generator),
+        )
+        for _ in range(12)
+    ]
     trainer = Trainer(make_model(seed), config(max_steps=6, accum_steps=2), CPU)
     for step in range(6):
-        trainer.train_step(batches[2 * step:2 * step + 2])
+        trainer.train_step(batches[2 * step : 2 * step + 2])
         if trainer.step % 3 == 0:
             trainer.add_val_loss(batches[:2])
     return trainer.history
@@ -258,7 +310,9 @@ def run_short_training(seed: int) -> list[dict]:
 def test_a_seeded_run_reproduces_its_loss_history_exactly():
     first, second = run_short_training(seed=9), run_short_training(seed=9)
     keys = ("step", "loss", "lr", "grad_norm", "val_loss")
-    assert [[row.get(k) for k in keys] for row in first] == [[row.get(k) for k in keys] for row in second]
+    assert [[row.get(k) for k in keys] for row in first] == [
+        [row.get(k) for k in keys] for row in second
+    ]
     assert len(first) == 6 and "val_loss" in first[2] and "val_loss" in first[5]
 
 
@@ -294,16 +348,24 @@ def test_learning_rate_schedule_matches_warmup_then_cosine():
     assert used[10] == pytest.approx(1e-2)  # start of the cosine: still the peak
     halfway = 10 + (50 - 10) // 2
     assert used[halfway] == pytest.approx((1e-2 + 1e-3) / 2)  # cos(pi/2) = 0
-    assert used[49] == pytest.approx(1e-3 + 0.5 * (1 + math.cos(math.pi * 39 / 40)) * 9e-3)
+    assert used[49] == pytest.approx(
+        1e-3 + 0.5 * (1 + math.cos(math.pi * 39 / 40)) * 9e-3
+    )
     assert learning_rate(50, settings) == pytest.approx(1e-3)  # at max_steps: min_lr
-    assert all(a < b for a, b in zip(used[:10], used[1:10])), "warmup must increase"
-    assert all(a > b for a, b in zip(used[10:], used[11:])), "cosine must decrease"
+    assert all(a < b for a, b in zip(used[:10], used[1:10], strict=False)), (
+        "warmup must increase"
+    )
+    assert all(a > b for a, b in zip(used[10:], used[11:], strict=False)), (
+        "cosine must decrease"
+    )
     assert trainer.history[-1]["lr"] == pytest.approx(used[-1])
 
 
 def test_model_on_another_device_is_refused_before_anything_is_built():
     model = make_model()
-    with pytest.raises(ValueError, match=r"model tensor 'embed.weight' is on cpu, expected meta"):
+    with pytest.raises(
+        ValueError, match=r"model tensor 'embed.weight' is on cpu, expected meta"
+    ):
         Trainer(model, config(), torch.device("meta"))
 
 
@@ -340,7 +402,8 @@ def test_train_step_returns_the_loss_norm_tokens_and_whether_it_skipped():
     expected = F.cross_entropy(model(x).flatten(0, -2), y.flatten()).item()
     result = Trainer(model, config(), CPU).train_step([(x, y)])
     assert isinstance(result, StepResult) and result.skipped is False
-    assert result.loss.item() == pytest.approx(expected, rel=1e-6)  # float32 summation order
+    # float32 summation order
+    assert result.loss.item() == pytest.approx(expected, rel=1e-6)
     assert result.target_tokens.item() == 4 * BLOCK - 2
     assert result.grad_norm.item() > 0
 
@@ -348,7 +411,9 @@ def test_train_step_returns_the_loss_norm_tokens_and_whether_it_skipped():
 def test_skipped_fp16_step_is_reported_in_the_result():
     model = make_model()
     trainer = Trainer(model, config(precision="fp16"), CPU)
-    hook = model.hidden.weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    hook = model.hidden.weight.register_hook(
+        lambda grad: torch.full_like(grad, float("inf"))
+    )
     result = trainer.train_step([token_batch(4, seed=8)])
     hook.remove()
     assert result.skipped is True and trainer.step == 0 and trainer.skipped_steps == 1
@@ -367,14 +432,18 @@ def test_a_passed_sgd_optimizer_is_the_one_that_steps():
     before = copy.deepcopy(model.state_dict())
     sgd = torch.optim.SGD(model.parameters(), lr=0.5)
     scheduler = torch.optim.lr_scheduler.ConstantLR(sgd, factor=1.0)
-    trainer = Trainer(model, config(max_grad_norm=None), CPU, optimizer=sgd, scheduler=scheduler)
+    trainer = Trainer(
+        model, config(max_grad_norm=None), CPU, optimizer=sgd, scheduler=scheduler
+    )
     x, y = token_batch(4, seed=13)
     reference = make_model()
     F.cross_entropy(reference(x).flatten(0, -2), y.flatten()).backward()
     trainer.train_step([(x, y)])
     for name, p in reference.named_parameters():
         # plain SGD: w - lr * grad, the same float32 operations up to summation order
-        torch.testing.assert_close(model.state_dict()[name], before[name] - 0.5 * p.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(
+            model.state_dict()[name], before[name] - 0.5 * p.grad, rtol=1e-5, atol=1e-7
+        )
     assert trainer.history[-1]["lr"] == 0.5
 
 
@@ -389,8 +458,12 @@ def test_bf16_autocast_trains_on_cpu_with_a_float32_loss_close_to_fp32():
     # bf16 keeps 8 significant bits (relative rounding 2**-8 ~ 0.4%) in the matmuls; the loss is
     # float32 but computed from bf16 logits, so 2% covers several roundings adding up.
     assert bf16.loss.item() == pytest.approx(fp32.loss.item(), rel=2e-2)
-    assert bf16.loss.item() != fp32.loss.item(), "autocast did not run the forward in bf16"
-    assert all(p.dtype == torch.float32 for p in bf16_model.parameters()), "weights stay float32"
+    assert bf16.loss.item() != fp32.loss.item(), (
+        "autocast did not run the forward in bf16"
+    )
+    assert all(p.dtype == torch.float32 for p in bf16_model.parameters()), (
+        "weights stay float32"
+    )
 
 
 # ----------------------------------------------------------------- the trainer's state
@@ -408,7 +481,8 @@ def train_steps(trainer: Trainer, first: int, last: int) -> None:
 
 
 def test_state_dict_round_trips_through_weights_only_and_continues_exactly(tmp_path):
-    settings = config(max_steps=8, log_every=3)  # 5 steps: one row at 3, steps 4-5 pending
+    # 5 steps: one row at 3, steps 4-5 pending
+    settings = config(max_steps=8, log_every=3)
     whole = Trainer(make_model(), settings, CPU)
     train_steps(whole, 0, 8)
     whole.log()
@@ -417,13 +491,20 @@ def test_state_dict_round_trips_through_weights_only_and_continues_exactly(tmp_p
     train_steps(first, 0, 5)
     state = save_and_load(first.state_dict(), tmp_path)
     assert state["step"] == 5 and [step["step"] for step in state["unlogged"]] == [4, 5]
-    second = Trainer(make_model(seed=1), settings, CPU)  # different initial weights: all overwritten
+    # different initial weights: all overwritten
+    second = Trainer(make_model(seed=1), settings, CPU)
     second.load_state_dict(state)
     train_steps(second, 5, 8)
     second.log()
-    assert [row["step"] for row in second.history] == [row["step"] for row in whole.history] == [3, 6, 8]
+    assert (
+        [row["step"] for row in second.history]
+        == [row["step"] for row in whole.history]
+        == [3, 6, 8]
+    )
     # exact float equality: same process, same operations in the same order
-    assert [row["loss"] for row in second.history] == [row["loss"] for row in whole.history]
+    assert [row["loss"] for row in second.history] == [
+        row["loss"] for row in whole.history
+    ]
     assert [row["lr"] for row in second.history] == [row["lr"] for row in whole.history]
     for name, tensor in whole.model.state_dict().items():
         assert torch.equal(second.model.state_dict()[name], tensor), name
@@ -438,12 +519,15 @@ def test_resume_with_a_changed_learning_rate_uses_and_logs_the_new_schedule(tmp_
     resumed.load_state_dict(save_and_load(first.state_dict(), tmp_path))
     used = []
     for step in range(5, 8):
-        used.append(resumed.optimizer.param_groups[0]["lr"])  # what the optimizer really steps with
+        # what the optimizer really steps with
+        used.append(resumed.optimizer.param_groups[0]["lr"])
         train_steps(resumed, step, step + 1)
     logged = [row["lr"] for row in resumed.history[-3:]]
     assert logged == used, "the history must log the rate the optimizer used"
     assert used == pytest.approx([learning_rate(step, new) for step in range(5, 8)])
-    assert used[0] != pytest.approx(learning_rate(5, old)), "the old schedule is still in use"
+    assert used[0] != pytest.approx(learning_rate(5, old)), (
+        "the old schedule is still in use"
+    )
     assert all(group["initial_lr"] == 4e-3 for group in resumed.optimizer.param_groups)
 
 
@@ -457,20 +541,47 @@ def test_resume_with_the_same_config_keeps_the_loaded_rate_bit_for_bit(tmp_path)
     assert resumed.optimizer.param_groups[0]["lr"] == rate
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda s: s.pop("step"), r"expected a dict with model, optimizer"),
-    (lambda s: s.update(step=-1), r"step: -1, expected an int"),
-    (lambda s: s.update(step=True), r"step: True, expected an int"),
-    (lambda s: s.update(history=None), r"history: expected a list"),
-    (lambda s: s.update(config="lr=0.1"), r"config: expected a dict"),
-    (lambda s: s.update(optimizer=None), r"optimizer: expected a dict with 'state'"),
-    (lambda s: s["model"].pop("head.bias"), r"model: 1 missing keys: head.bias"),
-    (lambda s: s["model"].update({"head.weight": torch.zeros(2, 2)}), r"model: head.weight: torch.float32 \(2, 2\)"),
-    (lambda s: s["optimizer"]["param_groups"][0].update(amsgrad=True), r"amsgrad=True in the state, False here"),
-    (lambda s: s["unlogged"][0].pop("loss"), r"unlogged step is unreadable"),
-    (lambda s: s.update(scaler={"scale": 1.0}), r"scaler: loss scaling \(fp16\) is on"),
-], ids=["no-step", "negative-step", "bool-step", "history-none", "config-a-string", "no-optimizer", "missing-key",
-        "wrong-shape", "amsgrad-switched", "unlogged-step-without-loss", "scaler-on"])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda s: s.pop("step"), r"expected a dict with model, optimizer"),
+        (lambda s: s.update(step=-1), r"step: -1, expected an int"),
+        (lambda s: s.update(step=True), r"step: True, expected an int"),
+        (lambda s: s.update(history=None), r"history: expected a list"),
+        (lambda s: s.update(config="lr=0.1"), r"config: expected a dict"),
+        (
+            lambda s: s.update(optimizer=None),
+            r"optimizer: expected a dict with 'state'",
+        ),
+        (lambda s: s["model"].pop("head.bias"), r"model: 1 missing keys: head.bias"),
+        (
+            lambda s: s["model"].update({"head.weight": torch.zeros(2, 2)}),
+            r"model: head.weight: torch.float32 \(2, 2\)",
+        ),
+        (
+            lambda s: s["optimizer"]["param_groups"][0].update(amsgrad=True),
+            r"amsgrad=True in the state, False here",
+        ),
+        (lambda s: s["unlogged"][0].pop("loss"), r"unlogged step is unreadable"),
+        (
+            lambda s: s.update(scaler={"scale": 1.0}),
+            r"scaler: loss scaling \(fp16\) is on",
+        ),
+    ],
+    ids=[
+        "no-step",
+        "negative-step",
+        "bool-step",
+        "history-none",
+        "config-a-string",
+        "no-optimizer",
+        "missing-key",
+        "wrong-shape",
+        "amsgrad-switched",
+        "unlogged-step-without-loss",
+        "scaler-on",
+    ],
+)
 def test_a_bad_state_is_refused_and_nothing_changes(damage, message):
     source = Trainer(make_model(seed=1), config(log_every=4), CPU)
     train_steps(source, 0, 2)
@@ -493,7 +604,9 @@ def test_a_step_without_the_fp16_scaler_never_reads_the_scale(monkeypatch):
     trainer = Trainer(make_model(), config(precision="bf16", log_every=100), CPU)
 
     def sync(*args):
-        raise AssertionError("get_scale() called without the fp16 scaler: a host sync for nothing")
+        raise AssertionError(
+            "get_scale() called without the fp16 scaler: a host sync for nothing"
+        )
 
     monkeypatch.setattr(trainer.scaler, "get_scale", sync)
     trainer.train_step([token_batch(4, seed=6)])
@@ -502,7 +615,7 @@ def test_a_step_without_the_fp16_scaler_never_reads_the_scale(monkeypatch):
 
 # ----------------------------------------------------------------- two ranks (gloo, in subprocesses)
 
-DDP_WORKER = r'''
+DDP_WORKER = r"""
 import os, sys, torch, torch.distributed as dist
 from torch import nn
 from torchbook.train import Trainer, TrainConfig
@@ -532,11 +645,12 @@ def worker(rank, port, out):
 
 if __name__ == "__main__":
     torch.multiprocessing.spawn(worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2)
-'''
+"""
 
 
 def free_port() -> int:
     import socket
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -551,23 +665,36 @@ def test_two_ddp_ranks_with_uneven_tokens_take_the_one_process_step(tmp_path):
     generator = torch.Generator().manual_seed(3)
     x = torch.randint(0, 11, (8, 5), generator=generator)
     y = torch.randint(0, 11, (8, 5), generator=generator)
-    y[:2, :4] = IGNORE_INDEX  # rank 0's first micro-batch is mostly ignored; rank 1 has all its tokens
+    y[:2, :4] = (
+        IGNORE_INDEX  # rank 0's first micro-batch is mostly ignored; rank 1 has all its tokens
+    )
     torch.save((x, y), tmp_path / "data.pt")
     script = tmp_path / "ddp_worker.py"
     script.write_text(DDP_WORKER)
-    done = subprocess.run([sys.executable, str(script), str(free_port()), str(tmp_path)],
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, str(script), str(free_port()), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     ranks = torch.load(tmp_path / "rank0.pt", weights_only=True)
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(11, 16), nn.Linear(16, 11))
     sgd = torch.optim.SGD(model.parameters(), lr=0.5)
-    single = Trainer(model, TrainConfig(max_steps=1, warmup_steps=0, max_grad_norm=None), CPU, optimizer=sgd,
-                     scheduler=torch.optim.lr_scheduler.ConstantLR(sgd, factor=1.0))
+    single = Trainer(
+        model,
+        TrainConfig(max_steps=1, warmup_steps=0, max_grad_norm=None),
+        CPU,
+        optimizer=sgd,
+        scheduler=torch.optim.lr_scheduler.ConstantLR(sgd, factor=1.0),
+    )
     result = single.train_step([(x, y)])
     assert ranks["tokens"].item() == result.target_tokens.item() == 8 * 5 - 8
     # float32 sums in another order (per rank, then across ranks): a few ulps; 1e-5 leaves margin
     torch.testing.assert_close(ranks["loss"], result.loss, rtol=1e-5, atol=1e-7)
     for name, tensor in model.state_dict().items():
-        torch.testing.assert_close(ranks["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            ranks["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=name
+        )

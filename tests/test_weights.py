@@ -11,14 +11,17 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from tests.tensor_checks import assert_same_tensors, snapshot
 from torchbook import weights
 from torchbook.models import GPT, GPTConfig, TinyMLP, rope_tables
 from torchbook.weights import WeightsError
 
-from tests.tensor_checks import assert_same_tensors, snapshot
-
 TINY_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32)
-TIED = ("token_embedding.weight", "lm_head.weight")  # dropped name, kept name (first in sorted order)
+# dropped name, kept name (first in sorted order)
+TIED = (
+    "token_embedding.weight",
+    "lm_head.weight",
+)
 
 
 def fresh_gpt(seed: int, config: GPTConfig = TINY_GPT) -> GPT:
@@ -29,7 +32,9 @@ def fresh_gpt(seed: int, config: GPTConfig = TINY_GPT) -> GPT:
 def gpt_buffers(model: GPT) -> None:
     """The GPT's non-persistent buffers, computed as its constructor does."""
     config = model.config
-    model.causal_mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
+    model.causal_mask = torch.ones(
+        config.block_size, config.block_size, dtype=torch.bool
+    ).tril()
     model.rope_cos, model.rope_sin = rope_tables(config.head_size, config.block_size)
 
 
@@ -38,7 +43,9 @@ def gpt_buffers(model: GPT) -> None:
 
 def test_tied_weights_are_stored_once_and_recorded_as_save_model_does(tmp_path):
     original = fresh_gpt(0)
-    path = weights.save_safetensors(original, tmp_path / "gpt.safetensors", metadata={"source": "test"})
+    path = weights.save_safetensors(
+        original, tmp_path / "gpt.safetensors", metadata={"source": "test"}
+    )
     with safetensors.safe_open(path, framework="pt") as handle:
         stored, metadata = set(handle.keys()), handle.metadata()
     assert stored == set(original.state_dict()) - {TIED[0]}
@@ -73,13 +80,18 @@ def test_read_safetensors_restores_the_tied_name_as_the_same_tensor(tmp_path):
 
 def test_different_views_of_one_storage_are_refused():
     base = torch.zeros(4, 4)
-    with pytest.raises(WeightsError, match="shares memory with .* but is a different view"):
+    with pytest.raises(
+        WeightsError, match="shares memory with .* but is a different view"
+    ):
         weights.drop_shared({"a": base, "b": base[1:]})
 
 
 def test_overlapping_views_are_refused_naming_the_file_not_written(tmp_path):
     base = torch.zeros(4, 4)
-    with pytest.raises(WeightsError, match=rf"{tmp_path / 'w.safetensors'}: not written; b: shares memory with a"):
+    with pytest.raises(
+        WeightsError,
+        match=rf"{tmp_path / 'w.safetensors'}: not written; b: shares memory with a",
+    ):
         weights.save_safetensors({"a": base, "b": base[1:]}, tmp_path / "w.safetensors")
     assert list(tmp_path.iterdir()) == []
 
@@ -93,17 +105,25 @@ def test_truncated_safetensors_is_refused_with_its_path(tmp_path):
 
 def test_architecture_mismatch_names_the_file_and_leaves_the_model_unchanged(tmp_path):
     path = weights.save_safetensors(fresh_gpt(0), tmp_path / "gpt.safetensors")
-    deeper = fresh_gpt(1, GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, d_model=32))
+    deeper = fresh_gpt(
+        1, GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, d_model=32)
+    )
     before = snapshot(deeper)
-    with pytest.raises(WeightsError, match=rf"(?s){path}: does not fit GPT .*12 missing keys: blocks.2"):
+    with pytest.raises(
+        WeightsError, match=rf"(?s){path}: does not fit GPT .*12 missing keys: blocks.2"
+    ):
         weights.load_safetensors(deeper, path)
     assert_same_tensors(snapshot(deeper), before)
 
 
 def legacy_file(path: Path, aliases: str) -> Path:
     """A file as earlier versions of this module wrote it: aliases as JSON under one metadata key."""
-    state = {k: v.contiguous() for k, v in fresh_gpt(0).state_dict().items() if k != TIED[0]}
-    safetensors.torch.save_file(state, path, metadata={weights.LEGACY_ALIASES_KEY: aliases})
+    state = {
+        k: v.contiguous() for k, v in fresh_gpt(0).state_dict().items() if k != TIED[0]
+    }
+    safetensors.torch.save_file(
+        state, path, metadata={weights.LEGACY_ALIASES_KEY: aliases}
+    )
     return path
 
 
@@ -113,11 +133,21 @@ def test_legacy_alias_metadata_is_still_read(tmp_path):
     assert loaded[TIED[0]] is loaded[TIED[1]]
 
 
-@pytest.mark.parametrize("aliases, message", [
-    ("{not json", r"metadata field 'torchbook.aliases' is not JSON"),
-    ('["a", "b"]', r"metadata field 'torchbook.aliases' is not a JSON object of names"),
-    (json.dumps({TIED[0]: "no.such.tensor"}), r"metadata field 'torchbook.aliases' names tensors the file does not hold: \['no.such.tensor'\]"),
-], ids=["not-json", "not-an-object", "alias-to-missing-tensor"])
+@pytest.mark.parametrize(
+    "aliases, message",
+    [
+        ("{not json", r"metadata field 'torchbook.aliases' is not JSON"),
+        (
+            '["a", "b"]',
+            r"metadata field 'torchbook.aliases' is not a JSON object of names",
+        ),
+        (
+            json.dumps({TIED[0]: "no.such.tensor"}),
+            r"metadata field 'torchbook.aliases' names tensors the file does not hold: \['no.such.tensor'\]",
+        ),
+    ],
+    ids=["not-json", "not-an-object", "alias-to-missing-tensor"],
+)
 def test_bad_alias_metadata_names_the_file_and_the_field(tmp_path, aliases, message):
     path = legacy_file(tmp_path / "old.safetensors", aliases)
     with pytest.raises(WeightsError, match=rf"{path}: {message}"):
@@ -130,15 +160,23 @@ def test_bad_alias_metadata_names_the_file_and_the_field(tmp_path, aliases, mess
 def test_sharded_index_maps_every_stored_tensor_within_the_size_limit(tmp_path):
     original = fresh_gpt(0)
     max_bytes = 20_000
-    index_path = weights.save_sharded_safetensors(original, tmp_path / "sharded", max_shard_bytes=max_bytes)
+    index_path = weights.save_sharded_safetensors(
+        original, tmp_path / "sharded", max_shard_bytes=max_bytes
+    )
     index = json.loads(index_path.read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1
     assert set(index["weight_map"]) == set(original.state_dict()) - {TIED[0]}
-    expected_total = sum(t.numel() * t.element_size() for n, t in original.state_dict().items() if n != TIED[0])
+    expected_total = sum(
+        t.numel() * t.element_size()
+        for n, t in original.state_dict().items()
+        if n != TIED[0]
+    )
     assert index["metadata"]["total_size"] == expected_total
     for shard in shards:
-        with safetensors.safe_open(tmp_path / "sharded" / shard, framework="pt") as handle:
+        with safetensors.safe_open(
+            tmp_path / "sharded" / shard, framework="pt"
+        ) as handle:
             sizes = [handle.get_tensor(n).numel() * 4 for n in handle.keys()]
         assert sum(sizes) <= max_bytes or len(sizes) == 1
     loaded = weights.load_safetensors(fresh_gpt(1), tmp_path / "sharded")
@@ -147,33 +185,63 @@ def test_sharded_index_maps_every_stored_tensor_within_the_size_limit(tmp_path):
 
 def test_selective_loading_opens_only_the_shards_it_needs(tmp_path):
     original = fresh_gpt(0)
-    index_path = weights.save_sharded_safetensors(original, tmp_path / "sharded", max_shard_bytes=20_000)
+    index_path = weights.save_sharded_safetensors(
+        original, tmp_path / "sharded", max_shard_bytes=20_000
+    )
     weight_map = json.loads(index_path.read_text())["weight_map"]
     wanted = ["blocks.1.mlp.proj.weight"]
     needed = weight_map[wanted[0]]
     for shard in set(weight_map.values()) - {needed}:
-        (tmp_path / "sharded" / shard).unlink()  # the proof: a shard that is gone cannot have been read
+        # the proof: a shard that is gone cannot have been read
+        (tmp_path / "sharded" / shard).unlink()
     got = weights.read_sharded_safetensors(tmp_path / "sharded", names=wanted)
-    assert list(got) == wanted and torch.equal(got[wanted[0]], original.state_dict()[wanted[0]])
+    assert list(got) == wanted and torch.equal(
+        got[wanted[0]], original.state_dict()[wanted[0]]
+    )
 
 
 def test_selective_loading_finds_a_tied_name_in_its_shards_metadata(tmp_path):
     original = fresh_gpt(0)
-    weights.save_sharded_safetensors(original, tmp_path / "sharded", max_shard_bytes=20_000)
+    weights.save_sharded_safetensors(
+        original, tmp_path / "sharded", max_shard_bytes=20_000
+    )
     got = weights.read_sharded_safetensors(tmp_path / "sharded", names=[TIED[0]])
     assert torch.equal(got[TIED[0]], original.lm_head.weight)
 
 
-@pytest.mark.parametrize("index, message", [
-    ('{"metadata": "big", "weight_map": {}}', r"field 'metadata' is a str, expected an object"),
-    ('{"metadata": {}, "weight_map": ["a.safetensors"]}', r"field 'weight_map' is a list, expected an object"),
-    ('{"weight_map": {"w": 3}}', r"field 'weight_map'\['w'\] is 3, expected the name of a .safetensors file"),
-    ('{"weight_map": {"w": "../x.safetensors"}}', r"field 'weight_map'\['w'\] is '../x.safetensors'"),
-    ('["weight_map"]', r"the index is a JSON list, expected an object"),
-    ('{"weight_map": ', r"not a JSON index \(JSONDecodeError"),
-    (b'\xff\xfe{}', r"not a JSON index \(UnicodeDecodeError"),
-], ids=["metadata-a-string", "weight-map-a-list", "file-not-a-string", "file-outside-the-folder", "a-list",
-        "not-json", "not-utf8"])
+@pytest.mark.parametrize(
+    "index, message",
+    [
+        (
+            '{"metadata": "big", "weight_map": {}}',
+            r"field 'metadata' is a str, expected an object",
+        ),
+        (
+            '{"metadata": {}, "weight_map": ["a.safetensors"]}',
+            r"field 'weight_map' is a list, expected an object",
+        ),
+        (
+            '{"weight_map": {"w": 3}}',
+            r"field 'weight_map'\['w'\] is 3, expected the name of a .safetensors file",
+        ),
+        (
+            '{"weight_map": {"w": "../x.safetensors"}}',
+            r"field 'weight_map'\['w'\] is '../x.safetensors'",
+        ),
+        ('["weight_map"]', r"the index is a JSON list, expected an object"),
+        ('{"weight_map": ', r"not a JSON index \(JSONDecodeError"),
+        (b"\xff\xfe{}", r"not a JSON index \(UnicodeDecodeError"),
+    ],
+    ids=[
+        "metadata-a-string",
+        "weight-map-a-list",
+        "file-not-a-string",
+        "file-outside-the-folder",
+        "a-list",
+        "not-json",
+        "not-utf8",
+    ],
+)
 def test_a_malformed_index_names_the_file_and_the_field(tmp_path, index, message):
     path = tmp_path / weights.SAFETENSORS_INDEX
     path.write_bytes(index if isinstance(index, bytes) else index.encode())
@@ -183,7 +251,9 @@ def test_a_malformed_index_names_the_file_and_the_field(tmp_path, index, message
 
 def test_a_name_missing_from_the_index_is_named(tmp_path):
     weights.save_sharded_safetensors(fresh_gpt(0), tmp_path, max_shard_bytes=20_000)
-    with pytest.raises(WeightsError, match=r"no tensor named \['no.such'\] in field 'weight_map'"):
+    with pytest.raises(
+        WeightsError, match=r"no tensor named \['no.such'\] in field 'weight_map'"
+    ):
         weights.read_sharded_safetensors(tmp_path, names=["no.such"])
 
 
@@ -197,22 +267,33 @@ def test_load_on_meta_gives_the_same_model_without_initialising_it(tmp_path):
     built = []
 
     def build() -> GPT:
-        assert nn.Module.register_parameter is register, "nothing process-wide may be patched"
+        assert nn.Module.register_parameter is register, (
+            "nothing process-wide may be patched"
+        )
         built.append(GPT(TINY_GPT))
         assert built[-1].token_embedding.weight.is_meta  # no memory, no initialisation
         return built[-1]
 
-    loaded = weights.load_on_meta(build, weights.read_safetensors(path), path, init_buffers=gpt_buffers)
+    loaded = weights.load_on_meta(
+        build, weights.read_safetensors(path), path, init_buffers=gpt_buffers
+    )
     assert weights.meta_tensors(loaded) == []
     assert loaded.lm_head.weight is loaded.token_embedding.weight
-    tokens = torch.randint(0, TINY_GPT.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, TINY_GPT.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)
+    )
     assert torch.equal(loaded.eval()(tokens), original.eval()(tokens))
 
 
 def test_load_on_meta_without_buffer_init_names_the_buffers_left_on_meta(tmp_path):
     path = weights.save_safetensors(fresh_gpt(0), tmp_path / "gpt.safetensors")
-    with pytest.raises(WeightsError, match=r"\['causal_mask', 'rope_cos', 'rope_sin'\] are still on the meta"):
-        weights.load_on_meta(lambda: GPT(TINY_GPT), weights.read_safetensors(path), path)
+    with pytest.raises(
+        WeightsError,
+        match=r"\['causal_mask', 'rope_cos', 'rope_sin'\] are still on the meta",
+    ):
+        weights.load_on_meta(
+            lambda: GPT(TINY_GPT), weights.read_safetensors(path), path
+        )
 
 
 def test_a_full_disk_during_a_safetensors_save_names_the_file(tmp_path, monkeypatch):
@@ -220,6 +301,8 @@ def test_a_full_disk_during_a_safetensors_save_names_the_file(tmp_path, monkeypa
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(safetensors.torch, "save_file", no_space)
-    with pytest.raises(WeightsError, match=rf"{tmp_path / 'w.safetensors'}: could not be written"):
+    with pytest.raises(
+        WeightsError, match=rf"{tmp_path / 'w.safetensors'}: could not be written"
+    ):
         weights.save_safetensors(TinyMLP(8, 16, 4), tmp_path / "w.safetensors")
     assert list(tmp_path.iterdir()) == []

@@ -38,8 +38,13 @@ DRILLS = range(1, 8)
 CODE_FENCE = re.compile(r"^```python\s*$")
 CHECK_CALL = re.compile(r"^check\((\d+), globals\(\)\)$")
 TODO_CELL = re.compile(r"^# TODO: drill (\d+)$")
-FORBIDDEN = {"{python}": "an inline Quarto value", ":::": "a Quarto div", "@sec-": "a Quarto cross-reference",
-             "{#sec-": "a Quarto section anchor", "torchbook.lab": "an import of the chapter's lab code"}
+FORBIDDEN = {
+    "{python}": "an inline Quarto value",
+    ":::": "a Quarto div",
+    "@sec-": "a Quarto cross-reference",
+    "{#sec-": "a Quarto section anchor",
+    "torchbook.lab": "an import of the chapter's lab code",
+}
 
 
 def parse_cells(path: Path) -> list[tuple[str, str, int]]:
@@ -48,7 +53,9 @@ def parse_cells(path: Path) -> list[tuple[str, str, int]]:
     for number, text in enumerate(lines, 1):
         for pattern, what in FORBIDDEN.items():
             if pattern in text:
-                raise QmdError(f"{path}:{number}: {what} ({pattern!r}) has no place in the exercise notebook")
+                raise QmdError(
+                    f"{path}:{number}: {what} ({pattern!r}) has no place in the exercise notebook"
+                )
     cells: list[tuple[str, str, int]] = []
     block: list[str] = []
     start, in_code = 1, False
@@ -71,16 +78,20 @@ def check_drills(cells: list[tuple[str, str, int]], path: Path) -> None:
     """Every drill, in order, is a ``# TODO: drill N`` cell followed by its ``check(N, globals())`` cell."""
     code = [(source.strip(), line) for kind, source, line in cells if kind == "code"]
     found = []
-    for (source, line), (following, _) in zip(code, code[1:] + [("", 0)]):
+    for (source, line), (following, _) in zip(code, code[1:] + [("", 0)], strict=False):
         todo = TODO_CELL.match(source)
         if todo:
             checked = CHECK_CALL.match(following)
             if not checked or checked.group(1) != todo.group(1):
-                raise QmdError(f"{path}:{line}: the TODO of drill {todo.group(1)} is not followed by "
-                               f"check({todo.group(1)}, globals())")
+                raise QmdError(
+                    f"{path}:{line}: the TODO of drill {todo.group(1)} is not followed by "
+                    f"check({todo.group(1)}, globals())"
+                )
             found.append(int(todo.group(1)))
     if found != list(DRILLS):
-        raise QmdError(f"{path}: TODO cells for drills {found}; expected {list(DRILLS)}, in order")
+        raise QmdError(
+            f"{path}: TODO cells for drills {found}; expected {list(DRILLS)}, in order"
+        )
 
 
 def exercise_notebook(source: Path) -> dict:
@@ -88,9 +99,16 @@ def exercise_notebook(source: Path) -> dict:
     cells = parse_cells(source)
     check_drills(cells, source)
     setup = {"tags": [SETUP_TAG]}
-    notebook_cells = [{"cell_type": "markdown", "metadata": dict(setup), "source": SETUP_MARKDOWN},
-                      {"cell_type": "code", "metadata": dict(setup), "source": SETUP_CODE, "outputs": [],
-                       "execution_count": None}]
+    notebook_cells = [
+        {"cell_type": "markdown", "metadata": dict(setup), "source": SETUP_MARKDOWN},
+        {
+            "cell_type": "code",
+            "metadata": dict(setup),
+            "source": SETUP_CODE,
+            "outputs": [],
+            "execution_count": None,
+        },
+    ]
     for kind, text, line in cells:
         cell = {"cell_type": kind, "metadata": {"source_line": line}, "source": text}
         if kind == "code":
@@ -99,9 +117,15 @@ def exercise_notebook(source: Path) -> dict:
     return {
         "nbformat": 4,
         "nbformat_minor": 5,
-        "metadata": {"title": "pytorch_drills: the lab's exercises",
-                     "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-                     "language_info": {"name": "python"}},
+        "metadata": {
+            "title": "pytorch_drills: the lab's exercises",
+            "kernelspec": {
+                "name": "python3",
+                "display_name": "Python 3",
+                "language": "python",
+            },
+            "language_info": {"name": "python"},
+        },
         "cells": [{"id": f"cell-{i}", **cell} for i, cell in enumerate(notebook_cells)],
     }
 
@@ -110,12 +134,16 @@ def write_exercise_notebook(project: Path, target: Path) -> Path:
     """Write the notebook built from ``project``'s exercise source to ``target``."""
     notebook = exercise_notebook(project / SOURCE)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    target.write_text(
+        json.dumps(notebook, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
     return target
 
 
 if __name__ == "__main__":
     project_root = Path(os.environ.get("QUARTO_PROJECT_DIR", ".")).resolve()
-    target_path = Path(sys.argv[1]) if len(sys.argv) > 1 else project_root / DEFAULT_TARGET
+    target_path = (
+        Path(sys.argv[1]) if len(sys.argv) > 1 else project_root / DEFAULT_TARGET
+    )
     written = write_exercise_notebook(project_root, target_path)
     print(f"exercise notebook: {written}", file=sys.stderr)

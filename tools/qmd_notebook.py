@@ -80,7 +80,7 @@ if importlib.util.find_spec("torchbook") is None:
     raise SystemExit("torchbook is installed now: restart the kernel and run the notebook from the top.")
 
 import torchbook
-from torchbook.cache import cache_dir, data_dir
+from torchbook.download import cache_dir, data_dir
 
 print(f"torchbook: {Path(torchbook.__file__).parent}")
 print(f"data sets: {data_dir()}")
@@ -114,7 +114,9 @@ def _split_front_matter(lines: list[str], path: Path) -> tuple[dict, int]:
             try:
                 meta = yaml.safe_load("\n".join(lines[1:end])) or {}
             except yaml.YAMLError as error:
-                raise QmdError(f"{path}:1: front matter is not valid YAML: {error}") from error
+                raise QmdError(
+                    f"{path}:1: front matter is not valid YAML: {error}"
+                ) from error
             return meta, end + 1
     raise QmdError(f"{path}:1: front matter opened with '---' is never closed")
 
@@ -133,7 +135,9 @@ def _parse_options(body: list[str], first_line: int, path: Path) -> dict:
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = first_line + (mark.line if mark else 0)
-        raise QmdError(f"{path}:{line}: cell option is not valid YAML: {error}") from error
+        raise QmdError(
+            f"{path}:{line}: cell option is not valid YAML: {error}"
+        ) from error
     if not isinstance(options, dict):
         raise QmdError(
             f"{path}:{first_line}: cell options must be 'key: value' lines, got {option_lines[0]!r}"
@@ -151,7 +155,9 @@ def parse_qmd(path: Path) -> tuple[dict, list[Cell]]:
     markdown_start = index + 1
 
     def flush_markdown() -> None:
-        leading_blank = next((i for i, text in enumerate(markdown) if text.strip()), len(markdown))
+        leading_blank = next(
+            (i for i, text in enumerate(markdown) if text.strip()), len(markdown)
+        )
         text = "\n".join(markdown[leading_blank:]).rstrip("\n")
         if text.strip():
             cells.append(Cell("markdown", text, markdown_start + leading_blank))
@@ -164,13 +170,18 @@ def parse_qmd(path: Path) -> tuple[dict, list[Cell]]:
         if executable or other:
             fence = (executable or other).group(1)
             closing = next(
-                (j for j in range(index + 1, len(lines))
-                 if lines[j].strip().startswith(fence[0] * len(fence))
-                 and lines[j].strip().strip(fence[0]) == ""),
+                (
+                    j
+                    for j in range(index + 1, len(lines))
+                    if lines[j].strip().startswith(fence[0] * len(fence))
+                    and lines[j].strip().strip(fence[0]) == ""
+                ),
                 None,
             )
             if closing is None:
-                raise QmdError(f"{path}:{index + 1}: code fence {fence} is never closed")
+                raise QmdError(
+                    f"{path}:{index + 1}: code fence {fence} is never closed"
+                )
             if executable:
                 flush_markdown()
                 body = lines[index + 1 : closing]
@@ -206,18 +217,29 @@ def _setup_cells() -> list[dict]:
     metadata = {"tags": [SETUP_TAG]}
     return [
         {"cell_type": "markdown", "metadata": dict(metadata), "source": SETUP_MARKDOWN},
-        {"cell_type": "code", "metadata": dict(metadata), "source": SETUP_CODE,
-         "outputs": [], "execution_count": None},
+        {
+            "cell_type": "code",
+            "metadata": dict(metadata),
+            "source": SETUP_CODE,
+            "outputs": [],
+            "execution_count": None,
+        },
     ]
 
 
 def _not_run_cell(cell: Cell) -> dict:
     """A markdown cell showing an ``eval: false`` cell's code as a fenced block that never runs."""
-    body = "\n".join(line for line in cell.source.splitlines() if not line.startswith("#|"))
-    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", body)), default=0))
-    return {"cell_type": "markdown",
-            "metadata": {"qmd_line": cell.line, "qmd_options": cell.options},
-            "source": f"{NOT_RUN_NOTE}\n\n{fence}python\n{body.strip()}\n{fence}"}
+    body = "\n".join(
+        line for line in cell.source.splitlines() if not line.startswith("#|")
+    )
+    fence = "`" * max(
+        3, 1 + max((len(run) for run in re.findall(r"`+", body)), default=0)
+    )
+    return {
+        "cell_type": "markdown",
+        "metadata": {"qmd_line": cell.line, "qmd_options": cell.options},
+        "source": f"{NOT_RUN_NOTE}\n\n{fence}python\n{body.strip()}\n{fence}",
+    }
 
 
 INCLUDE = re.compile(r"^\{\{< include (\S+) >\}\}$", re.MULTILINE)
@@ -238,11 +260,18 @@ def _expand_includes(cell: Cell, path: Path) -> str:
     shortcode instead of the code it stands for. A missing file fails here, as
     it would fail the render.
     """
+
     def included(match: re.Match) -> str:
         name = match.group(1)
-        target = _project_root(path) / name.lstrip("/") if name.startswith("/") else path.parent / name
+        target = (
+            _project_root(path) / name.lstrip("/")
+            if name.startswith("/")
+            else path.parent / name
+        )
         if not target.is_file():
-            raise QmdError(f"{path}:{cell.line}: include of {name}, and {target} does not exist")
+            raise QmdError(
+                f"{path}:{cell.line}: include of {name}, and {target} does not exist"
+            )
         return target.read_text(encoding="utf-8").rstrip("\n")
 
     return INCLUDE.sub(included, cell.source)
@@ -264,7 +293,11 @@ def to_notebook(path: Path, for_tests: bool = False) -> dict:
         metadata: dict = {"qmd_line": cell.line}
         if cell.kind == "markdown":
             notebook_cells.append(
-                {"cell_type": "markdown", "metadata": metadata, "source": _expand_includes(cell, path)}
+                {
+                    "cell_type": "markdown",
+                    "metadata": metadata,
+                    "source": _expand_includes(cell, path),
+                }
             )
             inline = _inline_value_cell(cell) if for_tests else None
             if inline is not None:
@@ -273,8 +306,13 @@ def to_notebook(path: Path, for_tests: bool = False) -> dict:
                         f"{path}:{cell.line}: inline `{{python}}` value before any code cell"
                     )
                 notebook_cells.append(
-                    {"cell_type": "code", "metadata": {"qmd_line": cell.line}, "source": inline,
-                     "outputs": [], "execution_count": None}
+                    {
+                        "cell_type": "code",
+                        "metadata": {"qmd_line": cell.line},
+                        "source": inline,
+                        "outputs": [],
+                        "execution_count": None,
+                    }
                 )
             continue
         seen_code = True
@@ -285,8 +323,13 @@ def to_notebook(path: Path, for_tests: bool = False) -> dict:
                 continue
             metadata["tags"] = [SKIP_TAG]
         notebook_cells.append(
-            {"cell_type": "code", "metadata": metadata, "source": cell.source,
-             "outputs": [], "execution_count": None}
+            {
+                "cell_type": "code",
+                "metadata": metadata,
+                "source": cell.source,
+                "outputs": [],
+                "execution_count": None,
+            }
         )
     title = meta.get("title", path.stem)
     return {
@@ -294,7 +337,11 @@ def to_notebook(path: Path, for_tests: bool = False) -> dict:
         "nbformat_minor": 5,
         "metadata": {
             "title": title,
-            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+            "kernelspec": {
+                "name": "python3",
+                "display_name": "Python 3",
+                "language": "python",
+            },
             "language_info": {"name": "python"},
         },
         "cells": [{"id": f"cell-{i}", **cell} for i, cell in enumerate(notebook_cells)],
@@ -305,7 +352,9 @@ def write_notebook(path: Path, target: Path) -> Path:
     """Write the reader's notebook for chapter ``path`` to ``target``."""
     notebook = to_notebook(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    target.write_text(
+        json.dumps(notebook, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
     return target
 
 
@@ -314,7 +363,9 @@ def write_book_notebooks(project: Path, output: Path) -> list[Path]:
     written = []
     for chapter in sorted((project / "chapters").glob("*.qmd")):
         if any(cell.kind == "code" for cell in parse_qmd(chapter)[1]):
-            written.append(write_notebook(chapter, output / "chapters" / f"{chapter.stem}.ipynb"))
+            written.append(
+                write_notebook(chapter, output / "chapters" / f"{chapter.stem}.ipynb")
+            )
     return written
 
 

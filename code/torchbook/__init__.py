@@ -1,18 +1,19 @@
 """torchbook: the tested code behind *PyTorch Essentials for LLM Work*.
 
 Each module reads on its own and can be copied into another project: it
-imports only the libraries its topic needs and at most the package's two small
-helpers, ``torchbook.profiles`` and ``torchbook.files``. The few that build on
-another module say so below.
+imports only the libraries its topic needs and at most the package's three small
+helpers, ``torchbook.device``, ``torchbook.profiles`` and ``torchbook.files``.
+The few that build on another module say so below.
 
 Helpers:
 
+- ``device``: the precision dtypes, the accelerator, ``synchronize`` and ``timed``.
 - ``profiles``: the one place that picks the device and every run size (``QUARTO_PROFILE``).
 - ``files``: the one atomic writer (temporary, fsync, rename, fsync of the folder).
 
 Chapters 1-5:
 
-- ``cache``: finds or downloads MNIST and Tiny Shakespeare, verified by SHA-256, and
+- ``download``: finds or downloads MNIST and Tiny Shakespeare, verified by SHA-256, and
   names the folder for derived files.
 - ``models``: the small GPT (pre-norm, RoPE, SDPA, tied head; packed rows with per-document
   masks; optional activation checkpointing), the tutorial TinyMLP, parameter counting,

@@ -13,7 +13,7 @@ one); validation uses fixed windows from its own seed, so
 every evaluation scores the same text.
 
 It builds on ``torchbook.models`` (the GPT) and ``torchbook.train`` (the ``Trainer``);
-the precision is one of ``torchbook.profiles.AUTOCAST_DTYPES``'s keys.
+the precision is one of ``torchbook.device.AUTOCAST_DTYPES``'s keys.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from torchbook.device import synchronize
 from torchbook.models import GPT, GPTConfig
-from torchbook.profiles import LanguageModelSizes, synchronize
-from torchbook.train import Trainer, TrainConfig
+from torchbook.profiles import LanguageModelSizes
+from torchbook.train import TrainConfig, Trainer
 
 VALIDATION_FRACTION = 0.1  # the last 10% of the text
 
@@ -55,50 +56,85 @@ def load_corpus(path: str | Path) -> CharCorpus:
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     if len(text) < 2:
-        raise ValueError(f"{path}: a character corpus needs text to train and validate on; the file is empty")
+        raise ValueError(
+            f"{path}: a character corpus needs text to train and validate on; the file is empty"
+        )
     vocabulary = sorted(set(text))
     lookup = {char: index for index, char in enumerate(vocabulary)}
     ids = torch.tensor([lookup[char] for char in text], dtype=torch.int64)
     split_at = int(len(ids) * (1 - VALIDATION_FRACTION))
-    return CharCorpus(text=text, vocabulary=vocabulary, train_tokens=ids[:split_at], val_tokens=ids[split_at:])
+    return CharCorpus(
+        text=text,
+        vocabulary=vocabulary,
+        train_tokens=ids[:split_at],
+        val_tokens=ids[split_at:],
+    )
 
 
 def unigram_baseline(corpus: CharCorpus) -> float:
     """Validation loss (nats per character) of predicting each character by its training frequency."""
-    counts = torch.bincount(corpus.train_tokens, minlength=len(corpus.vocabulary)).double()
+    counts = torch.bincount(
+        corpus.train_tokens, minlength=len(corpus.vocabulary)
+    ).double()
     log_probs = (counts / counts.sum()).log()
     return -log_probs[corpus.val_tokens].mean().item()
 
 
-def random_blocks(source: Tensor, block_size: int, batch_size: int,
-                  generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor]]:
+def random_blocks(
+    source: Tensor, block_size: int, batch_size: int, generator: torch.Generator
+) -> Iterator[tuple[Tensor, Tensor]]:
     """Endless (x, y) batches of random windows of ``source``; y is x shifted one position left."""
     if len(source) < block_size + 1:
-        raise ValueError(f"random_blocks: {len(source)} tokens cannot hold a window of block_size + 1 = "
-                         f"{block_size + 1}")
+        raise ValueError(
+            f"random_blocks: {len(source)} tokens cannot hold a window of block_size + 1 = "
+            f"{block_size + 1}"
+        )
     offsets = torch.arange(block_size + 1)
-    while True:  # randint's high is exclusive: the last window starts at len - block_size - 1
-        starts = torch.randint(0, len(source) - block_size, (batch_size, 1), generator=generator)
+    # randint's high is exclusive: the last window starts at len - block_size - 1
+    while True:
+        starts = torch.randint(
+            0, len(source) - block_size, (batch_size, 1), generator=generator
+        )
         window = source[starts + offsets]  # (batch_size, block_size + 1)
         yield window[:, :-1], window[:, 1:]
 
 
-def fixed_batches(source: Tensor, block_size: int, batch_size: int, count: int,
-                  seed: int) -> list[tuple[Tensor, Tensor]]:
+def fixed_batches(
+    source: Tensor, block_size: int, batch_size: int, count: int, seed: int
+) -> list[tuple[Tensor, Tensor]]:
     """``count`` batches of windows drawn once from ``seed``: the same text at every evaluation."""
-    batches = random_blocks(source, block_size, batch_size, torch.Generator().manual_seed(seed))
+    batches = random_blocks(
+        source, block_size, batch_size, torch.Generator().manual_seed(seed)
+    )
     return [next(batches) for _ in range(count)]
 
 
-def build(corpus: CharCorpus, sizes: LanguageModelSizes, device: torch.device, precision: str,
-          seed: int) -> Trainer:
+def build(
+    corpus: CharCorpus,
+    sizes: LanguageModelSizes,
+    device: torch.device,
+    precision: str,
+    seed: int,
+) -> Trainer:
     """The GPT and its Trainer at ``sizes`` in ``precision`` ("fp32", "bf16", "fp16"); weights drawn from ``seed``."""
-    config = GPTConfig(vocab_size=len(corpus.vocabulary), block_size=sizes.block_size, n_layer=sizes.n_layer,
-                       n_head=sizes.n_head, d_model=sizes.d_model, dropout=sizes.dropout)
+    config = GPTConfig(
+        vocab_size=len(corpus.vocabulary),
+        block_size=sizes.block_size,
+        n_layer=sizes.n_layer,
+        n_head=sizes.n_head,
+        d_model=sizes.d_model,
+        dropout=sizes.dropout,
+    )
     torch.manual_seed(seed)
     model = GPT(config).to(device)
-    train_config = TrainConfig(max_steps=sizes.max_steps, lr=sizes.lr, min_lr=sizes.min_lr,
-                               warmup_steps=sizes.warmup_steps, precision=precision, log_every=sizes.log_every)
+    train_config = TrainConfig(
+        max_steps=sizes.max_steps,
+        lr=sizes.lr,
+        min_lr=sizes.min_lr,
+        warmup_steps=sizes.warmup_steps,
+        precision=precision,
+        log_every=sizes.log_every,
+    )
     return Trainer(model, train_config, device)
 
 
@@ -110,20 +146,38 @@ class CharLMRun:
     train_seconds: float
 
 
-def train_char_lm(corpus: CharCorpus, sizes: LanguageModelSizes, device: torch.device, precision: str,
-                  seed: int) -> CharLMRun:
+def train_char_lm(
+    corpus: CharCorpus,
+    sizes: LanguageModelSizes,
+    device: torch.device,
+    precision: str,
+    seed: int,
+) -> CharLMRun:
     """Build the model at ``sizes`` and train it in ``precision``, validating at every ``eval_every``-th step and
     the last (a ``val_loss`` in that step's history row)."""
     trainer = build(corpus, sizes, device, precision, seed)
-    validation = fixed_batches(corpus.val_tokens, sizes.block_size, sizes.batch_size, sizes.eval_batches, seed + 1)
-    batches = random_blocks(corpus.train_tokens, sizes.block_size, sizes.batch_size,
-                            torch.Generator().manual_seed(seed))
+    validation = fixed_batches(
+        corpus.val_tokens,
+        sizes.block_size,
+        sizes.batch_size,
+        sizes.eval_batches,
+        seed + 1,
+    )
+    batches = random_blocks(
+        corpus.train_tokens,
+        sizes.block_size,
+        sizes.batch_size,
+        torch.Generator().manual_seed(seed),
+    )
     started = time.perf_counter()
     while trainer.step < sizes.max_steps:
         result = trainer.train_step([next(batches)])
         # A step the fp16 scaler skipped leaves trainer.step where it was: it is not evaluated again.
-        if not result.skipped and (trainer.step % sizes.eval_every == 0 or trainer.step == sizes.max_steps):
-            trainer.add_val_loss(validation)  # writes this step's row, then adds its validation loss
-    synchronize(device)  # the clock stops when the device has finished, not when the host has queued
+        if not result.skipped and (
+            trainer.step % sizes.eval_every == 0 or trainer.step == sizes.max_steps
+        ):
+            # writes this step's row, then adds its validation loss
+            trainer.add_val_loss(validation)
+    # the clock stops when the device has finished, not when the host has queued
+    synchronize(device)
     return CharLMRun(trainer=trainer, train_seconds=time.perf_counter() - started)
-

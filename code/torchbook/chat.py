@@ -26,8 +26,8 @@ It builds on ``torchbook.train`` for ``IGNORE_INDEX``, the label the training lo
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -45,7 +45,9 @@ class ChatTemplate:
     end: str = "<|endoftext|>\n"
 
 
-def render_chat(messages: Sequence[dict], template: ChatTemplate = ChatTemplate()) -> str:
+def render_chat(
+    messages: Sequence[dict], template: ChatTemplate = ChatTemplate()
+) -> str:
     """The whole conversation as one string, as the model reads it."""
     parts = []
     for number, turn in enumerate(messages):
@@ -54,12 +56,16 @@ def render_chat(messages: Sequence[dict], template: ChatTemplate = ChatTemplate(
         elif turn.get("role") == "assistant":
             parts.append(template.assistant + turn["content"] + template.end)
         else:
-            raise ValueError(f"message {number}: role {turn.get('role')!r}, expected one of {ROLES}")
+            raise ValueError(
+                f"message {number}: role {turn.get('role')!r}, expected one of {ROLES}"
+            )
     return "".join(parts)
 
 
 def chat_example(
-    messages: Sequence[dict], encode: Callable[[str], list[int]], template: ChatTemplate = ChatTemplate()
+    messages: Sequence[dict],
+    encode: Callable[[str], list[int]],
+    template: ChatTemplate = ChatTemplate(),
 ) -> dict[str, list[int]]:
     """``input_ids`` of the templated conversation and ``labels`` that are -100 except on assistant answers.
 
@@ -73,7 +79,9 @@ def chat_example(
     for number, turn in enumerate(messages):
         role = turn.get("role")
         if role not in ROLES:
-            raise ValueError(f"message {number}: role {role!r}, expected one of {ROLES}")
+            raise ValueError(
+                f"message {number}: role {role!r}, expected one of {ROLES}"
+            )
         if role == "user":
             ids = encode(template.user + turn["content"] + "\n")
             input_ids += ids
@@ -103,7 +111,11 @@ class PadCollate:
             input_ids[row, :n] = torch.as_tensor(example["input_ids"])
             labels[row, :n] = torch.as_tensor(example["labels"])
             attention_mask[row, :n] = 1
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "attention_mask": attention_mask,
+        }
 
 
 def pack_examples(examples: Sequence[dict], block_size: int) -> dict[str, torch.Tensor]:
@@ -112,11 +124,17 @@ def pack_examples(examples: Sequence[dict], block_size: int) -> dict[str, torch.
     Returns ``input_ids``, ``labels`` and ``dropped_tokens`` (how many tokens the
     tail held, so the loss of data is visible).
     """
-    ids = torch.as_tensor([t for e in examples for t in e["input_ids"]], dtype=torch.long)
-    labels = torch.as_tensor([t for e in examples for t in e["labels"]], dtype=torch.long)
+    ids = torch.as_tensor(
+        [t for e in examples for t in e["input_ids"]], dtype=torch.long
+    )
+    labels = torch.as_tensor(
+        [t for e in examples for t in e["labels"]], dtype=torch.long
+    )
     n_blocks = len(ids) // block_size
     if n_blocks == 0:
-        raise ValueError(f"block_size={block_size}: the examples hold only {len(ids)} tokens, not one block")
+        raise ValueError(
+            f"block_size={block_size}: the examples hold only {len(ids)} tokens, not one block"
+        )
     used = n_blocks * block_size
     return {
         "input_ids": ids[:used].view(n_blocks, block_size),
@@ -125,7 +143,9 @@ def pack_examples(examples: Sequence[dict], block_size: int) -> dict[str, torch.
     }
 
 
-def pack_documents(examples: Sequence[dict], row_length: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+def pack_documents(
+    examples: Sequence[dict], row_length: int, pad_id: int = 0
+) -> dict[str, torch.Tensor]:
     """Place whole examples side by side in rows of ``row_length`` tokens (first fit, in order).
 
     Returns (rows, row_length) tensors: ``tokens``; ``targets``, the label of the
@@ -140,8 +160,10 @@ def pack_documents(examples: Sequence[dict], row_length: int, pad_id: int = 0) -
     for index, example in enumerate(examples):
         length = len(example["input_ids"])
         if length > row_length:
-            raise ValueError(f"example {index} has {length} tokens, more than row_length={row_length}; "
-                             "split or truncate it first, or make rows longer")
+            raise ValueError(
+                f"example {index} has {length} tokens, more than row_length={row_length}; "
+                "split or truncate it first, or make rows longer"
+            )
         row = next((r for r, space in enumerate(free) if space >= length), len(rows))
         if row == len(rows):
             rows.append([])
@@ -164,5 +186,11 @@ def pack_documents(examples: Sequence[dict], row_length: int, pad_id: int = 0) -
             position_ids[row, start:end] = torch.arange(len(ids))
             document_ids[row, start:end] = index
             start = end
-        position_ids[row, start:] = torch.arange(row_length - start)  # the padding reads as one more document
-    return {"tokens": tokens, "targets": targets, "position_ids": position_ids, "document_ids": document_ids}
+        # the padding reads as one more document
+        position_ids[row, start:] = torch.arange(row_length - start)
+    return {
+        "tokens": tokens,
+        "targets": targets,
+        "position_ids": position_ids,
+        "document_ids": document_ids,
+    }

@@ -67,7 +67,9 @@ from torchbook.state_dicts import state_dict_problems, unwrap_model, unwrap_stat
 
 # Written into every training checkpoint so a file of another kind is recognised.
 TRAINING_FORMAT = "torchbook.training_checkpoint"
-TRAINING_FORMAT_VERSION = 3  # 3: unlogged steps as StepResult dicts, the random states as plain values
+TRAINING_FORMAT_VERSION = (
+    3  # 3: unlogged steps as StepResult dicts, the random states as plain values
+)
 CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d{6,})-step-(\d{8,})\.pt$")
 
 
@@ -76,7 +78,9 @@ class CheckpointError(Exception):
 
 
 # --------------------------------------------------------------------------- reading torch files
-def read_torch_file(path: str | Path, *, mmap: bool = False, verify: bool = True) -> Any:
+def read_torch_file(
+    path: str | Path, *, mmap: bool = False, verify: bool = True
+) -> Any:
     """``torch.load(path, map_location="cpu", weights_only=True)`` with errors that name the file.
 
     The bytes are judged first: ``torch.save`` writes a zip archive (``PK``), safetensors an 8-byte length
@@ -89,24 +93,49 @@ def read_torch_file(path: str | Path, *, mmap: bool = False, verify: bool = True
     with open(path, "rb") as handle:
         head = handle.read(16)
     if not head.startswith(b"PK\x03\x04"):
-        found = ("is empty (0 bytes); was the save interrupted?" if not head else "is a safetensors file; read it "
-                 "with torchbook.weights.read_safetensors()" if head[8:9] == b"{" else f"starts with {head!r}")
-        raise CheckpointError(f"{path}: not a file written by torch.save (a zip archive): it {found}")
+        found = (
+            "is empty (0 bytes); was the save interrupted?"
+            if not head
+            else "is a safetensors file; read it "
+            "with torchbook.weights.read_safetensors()"
+            if head[8:9] == b"{"
+            else f"starts with {head!r}"
+        )
+        raise CheckpointError(
+            f"{path}: not a file written by torch.save (a zip archive): it {found}"
+        )
     if not zipfile.is_zipfile(path):  # the archive's end record is missing
-        raise CheckpointError(f"{path}: truncated torch.save archive ({path.stat().st_size:,} bytes, no zip end "
-                              "record); was the write interrupted?")
+        raise CheckpointError(
+            f"{path}: truncated torch.save archive ({path.stat().st_size:,} bytes, no zip end "
+            "record); was the write interrupted?"
+        )
     if verify and (damage := _damaged_member(path)):
-        raise CheckpointError(f"{path}: corrupt torch.save file{damage}; the bytes changed after it was written")
+        raise CheckpointError(
+            f"{path}: corrupt torch.save file{damage}; the bytes changed after it was written"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as error:  # weights_only met something other than tensors and plain values
-        detail = next((line.strip() for line in str(error).splitlines() if "global" in line.lower()), _first_line(error))
-        raise CheckpointError(f"{path}: refused by torch.load(weights_only=True): the file holds objects other than "
-                              "tensors and plain values, and rebuilding them could run code; load it with "
-                              f"weights_only=False only if you made the file yourself. (torch: {detail})") from error
-    except Exception as error:  # torch raises RuntimeError, KeyError, ... depending on the damage
-        raise CheckpointError(f"{path}: corrupt torch.save file{_damaged_member(path)}: "
-                              f"{type(error).__name__}: {_first_line(error)}") from error
+    # weights_only met something other than tensors and plain values
+    except pickle.UnpicklingError as error:
+        detail = next(
+            (
+                line.strip()
+                for line in str(error).splitlines()
+                if "global" in line.lower()
+            ),
+            _first_line(error),
+        )
+        raise CheckpointError(
+            f"{path}: refused by torch.load(weights_only=True): the file holds objects other than "
+            "tensors and plain values, and rebuilding them could run code; load it with "
+            f"weights_only=False only if you made the file yourself. (torch: {detail})"
+        ) from error
+    # torch raises RuntimeError, KeyError, ... depending on the damage
+    except Exception as error:
+        raise CheckpointError(
+            f"{path}: corrupt torch.save file{_damaged_member(path)}: "
+            f"{type(error).__name__}: {_first_line(error)}"
+        ) from error
 
 
 def _damaged_member(path: Path) -> str:
@@ -132,17 +161,28 @@ def _refuse(problems: list[str], message: str) -> None:
 
 def _write_torch(path: Path, value: Any) -> Path:
     """``torch.save`` through ``atomic_write``, kept only if ``weights_only`` can read it back; errors name ``path``."""
+
     def write(temporary: Path) -> None:
         torch.save(value, temporary)
-        unreadable = get_unsafe_globals_in_checkpoint(temporary)  # torch's own weights_only allowlist
+        # torch's own weights_only allowlist
+        unreadable = get_unsafe_globals_in_checkpoint(temporary)
         if unreadable:
-            raise CheckpointError(f"{path}: not saved; torch.load(weights_only=True) could not read it back, "
-                                  f"as it holds {', '.join(unreadable)} (store tensors and plain values)")
+            raise CheckpointError(
+                f"{path}: not saved; torch.load(weights_only=True) could not read it back, "
+                f"as it holds {', '.join(unreadable)} (store tensors and plain values)"
+            )
+
     try:
         return atomic_write(path, write)
-    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
-        raise CheckpointError(f"{path}: could not be written ({type(error).__name__}: {_first_line(error)}); "
-                              "is the disk full? The previous file, if any, is unchanged") from error
+    # torch.save reports a full disk as a RuntimeError
+    except (
+        OSError,
+        RuntimeError,
+    ) as error:
+        raise CheckpointError(
+            f"{path}: could not be written ({type(error).__name__}: {_first_line(error)}); "
+            "is the disk full? The previous file, if any, is unchanged"
+        ) from error
 
 
 def save_weights(model: nn.Module, path: str | Path) -> Path:
@@ -150,17 +190,24 @@ def save_weights(model: nn.Module, path: str | Path) -> Path:
     return _write_torch(Path(path), unwrap_state_dict(model.state_dict()))
 
 
-def load_weights(model: nn.Module, path: str | Path, *, mmap: bool = False) -> nn.Module:
+def load_weights(
+    model: nn.Module, path: str | Path, *, mmap: bool = False
+) -> nn.Module:
     """Load the weights of ``save_weights`` (any ``torch.save(state_dict)``) or of a training checkpoint, checked first."""
     path = Path(path)
     state_dict = read_torch_file(path, mmap=mmap)
     if isinstance(state_dict, Mapping) and state_dict.get("format") == TRAINING_FORMAT:
-        state_dict = state_dict["trainer"]["model"]  # to evaluate or publish a run's weights
+        # to evaluate or publish a run's weights
+        state_dict = state_dict["trainer"]["model"]
     if not isinstance(state_dict, Mapping):
-        raise CheckpointError(f"{path}: holds a {type(state_dict).__name__}, expected a state_dict (a dict of tensors)")
+        raise CheckpointError(
+            f"{path}: holds a {type(state_dict).__name__}, expected a state_dict (a dict of tensors)"
+        )
     state_dict = unwrap_state_dict(state_dict)
-    _refuse(state_dict_problems(model, state_dict),
-            f"{path}: does not fit {type(unwrap_model(model)).__name__} (architecture mismatch); nothing was loaded")
+    _refuse(
+        state_dict_problems(model, state_dict),
+        f"{path}: does not fit {type(unwrap_model(model)).__name__} (architecture mismatch); nothing was loaded",
+    )
     unwrap_model(model).load_state_dict(state_dict, strict=True)
     return model
 
@@ -168,15 +215,23 @@ def load_weights(model: nn.Module, path: str | Path, *, mmap: bool = False) -> n
 # --------------------------------------------------------------------------- configurations
 def config_as_dict(config: Any) -> dict[str, Any] | None:
     """A configuration dataclass as a dict of its fields (``weights_only`` refuses dataclasses); others as they are."""
-    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else config
+    return (
+        dataclasses.asdict(config)
+        if dataclasses.is_dataclass(config) and not isinstance(config, type)
+        else config
+    )
 
 
-def config_differences(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> list[str]:
+def config_differences(
+    saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None
+) -> list[str]:
     """Fields whose values differ between two configuration dicts, as readable lines."""
     saved, current = saved or {}, current or {}
-    return [f"{key}: {saved.get(key, '<absent>')!r} in the checkpoint, {current.get(key, '<absent>')!r} now"
-            for key in sorted(set(saved) | set(current), key=str)
-            if saved.get(key, "<absent>") != current.get(key, "<absent>")]
+    return [
+        f"{key}: {saved.get(key, '<absent>')!r} in the checkpoint, {current.get(key, '<absent>')!r} now"
+        for key in sorted(set(saved) | set(current), key=str)
+        if saved.get(key, "<absent>") != current.get(key, "<absent>")
+    ]
 
 
 # --------------------------------------------------------------------------- random number generators
@@ -186,13 +241,25 @@ def capture_rng_state() -> dict[str, Any]:
     NumPy's state holds an ndarray, which ``weights_only=True`` refuses: its 624 key words are stored as a list,
     which ``np.random.set_state`` takes back as it is.
     """
-    algorithm, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    algorithm, keys, position, has_gauss, cached_gaussian = np.random.get_state(
+        legacy=True
+    )
     return {
         "python": random.getstate(),  # (version, 625 ints, gauss): plain values already
-        "numpy": [str(algorithm), keys.tolist(), int(position), int(has_gauss), float(cached_gaussian)],
+        "numpy": [
+            str(algorithm),
+            keys.tolist(),
+            int(position),
+            int(has_gauss),
+            float(cached_gaussian),
+        ],
         "torch_cpu": torch.get_rng_state(),
-        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "torch_mps": torch.mps.get_rng_state() if torch.backends.mps.is_available() else None,
+        "torch_cuda": torch.cuda.get_rng_state_all()
+        if torch.cuda.is_available()
+        else [],
+        "torch_mps": torch.mps.get_rng_state()
+        if torch.backends.mps.is_available()
+        else None,
     }
 
 
@@ -209,18 +276,30 @@ def rng_state_problems(saved: Any) -> list[str]:
         cuda, mps = list(saved["torch_cuda"]), saved["torch_mps"]
     except Exception as error:  # noqa: BLE001 -- a wrong type, length or value: each library raises its own
         return [f"rng: not restorable ({type(error).__name__}: {error})"]
-    if not all(isinstance(state, torch.Tensor) for state in [*cuda, mps] if state is not None):
+    if not all(
+        isinstance(state, torch.Tensor) for state in [*cuda, mps] if state is not None
+    ):
         return ["rng: the CUDA and MPS states must be tensors"]
     return []
 
 
 def rng_device_problems(saved: Mapping[str, Any]) -> list[str]:
     """What this machine lacks to restore the device states of a checked ``saved``: CUDA devices, an MPS device."""
-    cuda, here = saved["torch_cuda"], torch.cuda.device_count() if torch.cuda.is_available() else 0
-    problems = [f"rng['torch_cuda']: states for {len(cuda)} CUDA devices in the file, {here} here"
-                ] if cuda and len(cuda) != here else []
+    cuda, here = (
+        saved["torch_cuda"],
+        torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    )
+    problems = (
+        [
+            f"rng['torch_cuda']: states for {len(cuda)} CUDA devices in the file, {here} here"
+        ]
+        if cuda and len(cuda) != here
+        else []
+    )
     if saved["torch_mps"] is not None and not torch.backends.mps.is_available():
-        problems.append("rng['torch_mps']: an MPS state in the file, no MPS device here")
+        problems.append(
+            "rng['torch_mps']: an MPS state in the file, no MPS device here"
+        )
     return problems
 
 
@@ -244,8 +323,19 @@ def checkpoint_name(sequence: int, step: int) -> str:
 def list_checkpoints(folder: str | Path) -> list[Path]:
     """Training checkpoint files in ``folder``, in the order they were saved (temporaries never match)."""
     folder = Path(folder)
-    found = [(CHECKPOINT_PATTERN.match(path.name), path) for path in folder.iterdir()] if folder.is_dir() else []
-    return [path for _, path in sorted((int(match.group(1)), path) for match, path in found if match and path.is_file())]
+    found = (
+        [(CHECKPOINT_PATTERN.match(path.name), path) for path in folder.iterdir()]
+        if folder.is_dir()
+        else []
+    )
+    return [
+        path
+        for _, path in sorted(
+            (int(match.group(1)), path)
+            for match, path in found
+            if match and path.is_file()
+        )
+    ]
 
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
@@ -254,9 +344,14 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_training_checkpoint(folder: str | Path, trainer_state: Mapping[str, Any], *,
-                             data_state: Mapping[str, Any] | None = None, model_config: Any = None,
-                             keep_last: int = 3) -> Path:
+def save_training_checkpoint(
+    folder: str | Path,
+    trainer_state: Mapping[str, Any],
+    *,
+    data_state: Mapping[str, Any] | None = None,
+    model_config: Any = None,
+    keep_last: int = 3,
+) -> Path:
     """Write ``trainer_state`` (``Trainer.state_dict()``), the RNG states and the data position; keep ``keep_last``.
 
     Call it after an optimizer step, before the next batch is drawn. The name takes the next sequence
@@ -265,19 +360,37 @@ def save_training_checkpoint(folder: str | Path, trainer_state: Mapping[str, Any
     """
     folder = Path(folder)
     if type(keep_last) is not int or keep_last < 1:
-        raise CheckpointError(f"{folder}: keep_last={keep_last!r}; must be an int >= 1, or the new checkpoint "
-                              "would be deleted")
+        raise CheckpointError(
+            f"{folder}: keep_last={keep_last!r}; must be an int >= 1, or the new checkpoint "
+            "would be deleted"
+        )
     step = trainer_state.get("step")
     if type(step) is not int or step < 0:
-        raise CheckpointError(f"{folder}: trainer_state['step'] is {step!r}; expected Trainer.state_dict()'s int step")
-    taken = [int(m.group(1)) for m in map(CHECKPOINT_PATTERN.match, (p.name for p in folder.glob("ckpt-*"))) if m]
+        raise CheckpointError(
+            f"{folder}: trainer_state['step'] is {step!r}; expected Trainer.state_dict()'s int step"
+        )
+    taken = [
+        int(m.group(1))
+        for m in map(CHECKPOINT_PATTERN.match, (p.name for p in folder.glob("ckpt-*")))
+        if m
+    ]
     path = folder / checkpoint_name(max(taken, default=0) + 1, step)
-    _write_torch(path, {"format": TRAINING_FORMAT, "format_version": TRAINING_FORMAT_VERSION,
-                        "trainer": dict(trainer_state), "rng": capture_rng_state(),
-                        "data": dict(data_state) if data_state is not None else None,
-                        "model_config": config_as_dict(model_config)})
+    _write_torch(
+        path,
+        {
+            "format": TRAINING_FORMAT,
+            "format_version": TRAINING_FORMAT_VERSION,
+            "trainer": dict(trainer_state),
+            "rng": capture_rng_state(),
+            "data": dict(data_state) if data_state is not None else None,
+            "model_config": config_as_dict(model_config),
+        },
+    )
     stale = [old for old in list_checkpoints(folder)[:-keep_last] if old != path]
-    stale += [left for left in folder.glob(".ckpt-*") if is_temporary(left) and left.is_file()]  # from a crashed save
+    # from a crashed save
+    stale += [
+        left for left in folder.glob(".ckpt-*") if is_temporary(left) and left.is_file()
+    ]
     for old in stale:
         old.unlink(missing_ok=True)
     return path
@@ -288,35 +401,61 @@ class TrainingCheckpoint:
     """A training checkpoint read whole, its envelope checked: what ``load_training_checkpoint`` applies."""
 
     path: Path
-    trainer: dict[str, Any]  # Trainer.state_dict(); the trainer parses it against itself (its layout, shapes)
+    # Trainer.state_dict(); the trainer parses it against itself (its layout, shapes)
+    trainer: dict[str, Any]
     rng: dict[str, Any]  # capture_rng_state()'s dict, checked by rng_state_problems
-    data: dict[str, Any] | None  # the data stream's state_dict: pass it to the stream's load_state_dict
+    # the data stream's state_dict: pass it to the stream's load_state_dict
+    data: dict[str, Any] | None
     model_config: dict[str, Any] | None
 
     def config_changes(self, train_config: Any) -> list[str]:
         """How ``train_config`` (a ``TrainConfig``) differs from the one saved: what a resumed run changes."""
-        return config_differences(self.trainer.get("config"), config_as_dict(train_config))
+        return config_differences(
+            self.trainer.get("config"), config_as_dict(train_config)
+        )
 
 
 def read_training_checkpoint(path: str | Path) -> TrainingCheckpoint:
     """Read a training checkpoint (``weights_only``, CRCs checked) and parse its envelope; nothing is applied."""
     path = Path(path)
     state = read_torch_file(path)
-    tag = (state.get("format"), state.get("format_version")) if isinstance(state, Mapping) else (None, None)
+    tag = (
+        (state.get("format"), state.get("format_version"))
+        if isinstance(state, Mapping)
+        else (None, None)
+    )
     if tag != (TRAINING_FORMAT, TRAINING_FORMAT_VERSION):
-        raise CheckpointError(f"{path}: not a training checkpoint this code reads: format {tag[0]!r} version "
-                              f"{tag[1]!r}, expected {TRAINING_FORMAT!r} version {TRAINING_FORMAT_VERSION}")
-    problems = [f"{key!r}: {type(state.get(key)).__name__}, expected a dict" for key, kinds in
-                (("trainer", dict), ("data", (dict, type(None))), ("model_config", (dict, type(None))))
-                if not isinstance(state.get(key), kinds)]
+        raise CheckpointError(
+            f"{path}: not a training checkpoint this code reads: format {tag[0]!r} version "
+            f"{tag[1]!r}, expected {TRAINING_FORMAT!r} version {TRAINING_FORMAT_VERSION}"
+        )
+    problems = [
+        f"{key!r}: {type(state.get(key)).__name__}, expected a dict"
+        for key, kinds in (
+            ("trainer", dict),
+            ("data", (dict, type(None))),
+            ("model_config", (dict, type(None))),
+        )
+        if not isinstance(state.get(key), kinds)
+    ]
     problems += rng_state_problems(state.get("rng"))
     _refuse(problems, f"{path}: not a usable training checkpoint; nothing was loaded")
-    return TrainingCheckpoint(path=path, trainer=state["trainer"], rng=state["rng"], data=state["data"],
-                              model_config=state["model_config"])
+    return TrainingCheckpoint(
+        path=path,
+        trainer=state["trainer"],
+        rng=state["rng"],
+        data=state["data"],
+        model_config=state["model_config"],
+    )
 
 
-def load_training_checkpoint(path: str | Path, trainer: Any, *, model_config: Any = None,
-                             restore_rng: bool = True) -> TrainingCheckpoint:
+def load_training_checkpoint(
+    path: str | Path,
+    trainer: Any,
+    *,
+    model_config: Any = None,
+    restore_rng: bool = True,
+) -> TrainingCheckpoint:
     """Restore a run from ``path`` into ``trainer`` (and the global generators); return what was read.
 
     Parse, then apply: the file (``read_training_checkpoint``), the model configuration (a different
@@ -329,13 +468,19 @@ def load_training_checkpoint(path: str | Path, trainer: Any, *, model_config: An
     checkpoint = read_training_checkpoint(path)
     problems = rng_device_problems(checkpoint.rng) if restore_rng else []
     if model_config is not None:
-        problems += [f"model configuration: {line}"
-                     for line in config_differences(checkpoint.model_config, config_as_dict(model_config))]
+        problems += [
+            f"model configuration: {line}"
+            for line in config_differences(
+                checkpoint.model_config, config_as_dict(model_config)
+            )
+        ]
     _refuse(problems, f"{checkpoint.path}: cannot be restored; nothing was loaded")
     try:
         trainer.load_state_dict(checkpoint.trainer)
     except ValueError as error:  # the trainer refused before changing anything
-        raise CheckpointError(f"{checkpoint.path}: cannot be restored; nothing was loaded:\n  {error}") from error
+        raise CheckpointError(
+            f"{checkpoint.path}: cannot be restored; nothing was loaded:\n  {error}"
+        ) from error
     if restore_rng:
         restore_rng_state(checkpoint.rng)
     return checkpoint

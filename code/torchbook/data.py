@@ -71,7 +71,9 @@ class TokenDataset(Dataset):
 
     def __init__(self, tokens: Sequence[int], block_size: int) -> None:
         if block_size <= 0 or len(tokens) < block_size + 1:
-            raise ShardError(f"TokenDataset: block_size={block_size} needs {block_size + 1} tokens; got {len(tokens)}")
+            raise ShardError(
+                f"TokenDataset: block_size={block_size} needs {block_size + 1} tokens; got {len(tokens)}"
+            )
         self.tokens, self.block_size = tokens, block_size
 
     def __len__(self) -> int:
@@ -79,7 +81,9 @@ class TokenDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = i * self.block_size, (i + 1) * self.block_size
-        return torch.tensor(self.tokens[start:end]), torch.tensor(self.tokens[start + 1 : end + 1])
+        return torch.tensor(self.tokens[start:end]), torch.tensor(
+            self.tokens[start + 1 : end + 1]
+        )
 
 
 # ------------------------------------------------------------ 2. Shards on disk
@@ -100,35 +104,58 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= UINT16_VOCAB_LIMIT else np.uint32)
 
 
-def write_shard(path: Path | str, tokens: np.ndarray | Sequence[int], vocab_size: int, tokenizer: str) -> Path:
+def write_shard(
+    path: Path | str,
+    tokens: np.ndarray | Sequence[int],
+    vocab_size: int,
+    tokenizer: str,
+) -> Path:
     """Write token ids to ``path`` (a ``.bin`` file) after their header; return the path.
 
     Every argument and id is checked before anything is written, and the file is written with
     ``atomic_write``: a crash leaves the old shard or the new one, never a part.
     """
     path, ids = Path(path), np.asarray(tokens)
-    if path.suffix != ".bin" or ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer) \
-            or not isinstance(tokenizer, str) or type(vocab_size) is not int or not 0 < vocab_size <= 1 << 32:
-        raise ShardError(f"{path}: expected a .bin path, non-empty 1-D integer ids, vocab_size an int in 1..2**32 and "
-                         f"a tokenizer's name; got {ids.shape} {ids.dtype}, {vocab_size=!r:.20}, {tokenizer=!r:.16}")
+    if (
+        path.suffix != ".bin"
+        or ids.ndim != 1
+        or ids.size == 0
+        or not np.issubdtype(ids.dtype, np.integer)
+        or not isinstance(tokenizer, str)
+        or type(vocab_size) is not int
+        or not 0 < vocab_size <= 1 << 32
+    ):
+        raise ShardError(
+            f"{path}: expected a .bin path, non-empty 1-D integer ids, vocab_size an int in 1..2**32 and "
+            f"a tokenizer's name; got {ids.shape} {ids.dtype}, {vocab_size=!r:.20}, {tokenizer=!r:.16}"
+        )
     dtype = token_dtype(vocab_size)
     if (bad := np.flatnonzero((ids < 0) | (ids >= vocab_size))).size:
-        raise ShardError(f"{path}: token id {int(ids[bad[0]])} at position {bad[0]:,} is outside the vocabulary "
-                         f"[0, {vocab_size}); nothing was written")
-    header = json.dumps(asdict(ShardHeader(dtype.name, int(ids.size), vocab_size, tokenizer))).encode("utf-8")
+        raise ShardError(
+            f"{path}: token id {int(ids[bad[0]])} at position {bad[0]:,} is outside the vocabulary "
+            f"[0, {vocab_size}); nothing was written"
+        )
+    header = json.dumps(
+        asdict(ShardHeader(dtype.name, int(ids.size), vocab_size, tokenizer))
+    ).encode("utf-8")
     if len(header) >= HEADER_BYTES:
-        raise ShardError(f"{path}: a {len(header):,}-byte header does not fit in {HEADER_BYTES:,}; shorten tokenizer")
+        raise ShardError(
+            f"{path}: a {len(header):,}-byte header does not fit in {HEADER_BYTES:,}; shorten tokenizer"
+        )
 
     def write(temporary: Path) -> None:
         with open(temporary, "wb") as handle:
-            handle.write(header.ljust(HEADER_BYTES - 1) + b"\n")  # `head -c 1024 shard.bin` prints the header
+            # `head -c 1024 shard.bin` prints the header
+            handle.write(header.ljust(HEADER_BYTES - 1) + b"\n")
             ids.astype(dtype).tofile(handle)
 
     return atomic_write(path, write)
 
 
 # The header's fields and the Python type each must have.
-_HEADER_TYPES = {field.name: {"str": str, "int": int}[field.type] for field in fields(ShardHeader)}
+_HEADER_TYPES = {
+    field.name: {"str": str, "int": int}[field.type] for field in fields(ShardHeader)
+}
 
 
 def _read_header(path: Path) -> tuple[ShardHeader, np.memmap]:
@@ -136,24 +163,44 @@ def _read_header(path: Path) -> tuple[ShardHeader, np.memmap]:
     try:
         handle = open(path, "rb")
     except FileNotFoundError:
-        raise ShardError(f"{path}: shard file is missing (expected a .bin written by write_shard)") from None
+        raise ShardError(
+            f"{path}: shard file is missing (expected a .bin written by write_shard)"
+        ) from None
     with handle:
         try:  # not UTF-8 or JSON, a field missing or unknown, a vocabulary that is not an int in range
             entry = json.loads(handle.read(HEADER_BYTES).decode("utf-8"))
             header = ShardHeader(**entry)
             stored = token_dtype(header.vocab_size).name
         except (ValueError, TypeError, RecursionError) as error:
-            raise ShardError(f"{path}: no shard header in its first {HEADER_BYTES:,} bytes ({error})") from None
-        if any(type(entry.get(name)) is not kind for name, kind in _HEADER_TYPES.items()) \
-                or (header.format, header.version, header.dtype) != (SHARD_FORMAT, SHARD_VERSION, stored) \
-                or min(header.num_tokens, header.vocab_size) <= 0:
-            raise ShardError(f"{path}: header {entry!r:.200} is not one write_shard writes: format {SHARD_FORMAT!r} "
-                             f"version {SHARD_VERSION}, dtype {stored} for this vocabulary, counts > 0")
+            raise ShardError(
+                f"{path}: no shard header in its first {HEADER_BYTES:,} bytes ({error})"
+            ) from None
+        if (
+            any(
+                type(entry.get(name)) is not kind
+                for name, kind in _HEADER_TYPES.items()
+            )
+            or (header.format, header.version, header.dtype)
+            != (SHARD_FORMAT, SHARD_VERSION, stored)
+            or min(header.num_tokens, header.vocab_size) <= 0
+        ):
+            raise ShardError(
+                f"{path}: header {entry!r:.200} is not one write_shard writes: format {SHARD_FORMAT!r} "
+                f"version {SHARD_VERSION}, dtype {stored} for this vocabulary, counts > 0"
+            )
         expected = HEADER_BYTES + header.num_tokens * np.dtype(header.dtype).itemsize
         if (actual := os.fstat(handle.fileno()).st_size) != expected:
-            raise ShardError(f"{path}: header says {header.num_tokens:,} {header.dtype} tokens ({expected:,} bytes "
-                             f"with the header) but the file has {actual:,} bytes; was the write interrupted?")
-        return header, np.memmap(handle, dtype=header.dtype, mode="r", offset=HEADER_BYTES, shape=(header.num_tokens,))
+            raise ShardError(
+                f"{path}: header says {header.num_tokens:,} {header.dtype} tokens ({expected:,} bytes "
+                f"with the header) but the file has {actual:,} bytes; was the write interrupted?"
+            )
+        return header, np.memmap(
+            handle,
+            dtype=header.dtype,
+            mode="r",
+            offset=HEADER_BYTES,
+            shape=(header.num_tokens,),
+        )
 
 
 def read_header(path: Path | str) -> ShardHeader:
@@ -170,8 +217,10 @@ def open_shard(path: Path | str, check_ids: bool = False) -> np.memmap:
     """
     header, tokens = _read_header(Path(path))
     if check_ids and (bad := np.flatnonzero(tokens >= header.vocab_size)).size:
-        raise ShardError(f"{path}: token id {int(tokens[bad[0]])} at position {bad[0]:,} is outside the vocabulary "
-                         f"[0, {header.vocab_size}) that its header declares")
+        raise ShardError(
+            f"{path}: token id {int(tokens[bad[0]])} at position {bad[0]:,} is outside the vocabulary "
+            f"[0, {header.vocab_size}) that its header declares"
+        )
     return tokens
 
 
@@ -180,22 +229,53 @@ def index_path(folder: Path | str, prefix: str = "shard") -> Path:
     return Path(folder) / f"{prefix}_index.json"
 
 
-def write_shards(tokens: np.ndarray | Sequence[int], folder: Path | str, vocab_size: int, tokenizer: str,
-                 tokens_per_shard: int, prefix: str = "shard") -> list[Path]:
+def write_shards(
+    tokens: np.ndarray | Sequence[int],
+    folder: Path | str,
+    vocab_size: int,
+    tokenizer: str,
+    tokens_per_shard: int,
+    prefix: str = "shard",
+) -> list[Path]:
     """Split ``tokens`` into shards of ``tokens_per_shard`` ids named ``<prefix>_000.bin``, ...; return their paths.
 
     The index ``<prefix>_index.json`` (shard names, total tokens, tokenizer) is
     removed first and written last, so it exists only when every shard does.
     """
     ids, folder = np.asarray(tokens), Path(folder)
-    if type(tokens_per_shard) is not int or tokens_per_shard <= 0 or ids.ndim != 1 or ids.size == 0:
-        raise ShardError(f"{folder}: {tokens_per_shard=!r} and ids of shape {ids.shape}; expected an int > 0, 1-D ids")
+    if (
+        type(tokens_per_shard) is not int
+        or tokens_per_shard <= 0
+        or ids.ndim != 1
+        or ids.size == 0
+    ):
+        raise ShardError(
+            f"{folder}: {tokens_per_shard=!r} and ids of shape {ids.shape}; expected an int > 0, 1-D ids"
+        )
     index = index_path(folder, prefix)
     index.unlink(missing_ok=True)
-    paths = [write_shard(folder / f"{prefix}_{number:03d}.bin", ids[start : start + tokens_per_shard], vocab_size,
-                         tokenizer) for number, start in enumerate(range(0, len(ids), tokens_per_shard))]
-    atomic_write_text(index, json.dumps({"shards": [p.name for p in paths], "num_tokens": int(ids.size),
-                                         "vocab_size": vocab_size, "tokenizer": tokenizer}, indent=2) + "\n")
+    paths = [
+        write_shard(
+            folder / f"{prefix}_{number:03d}.bin",
+            ids[start : start + tokens_per_shard],
+            vocab_size,
+            tokenizer,
+        )
+        for number, start in enumerate(range(0, len(ids), tokens_per_shard))
+    ]
+    atomic_write_text(
+        index,
+        json.dumps(
+            {
+                "shards": [p.name for p in paths],
+                "num_tokens": int(ids.size),
+                "vocab_size": vocab_size,
+                "tokenizer": tokenizer,
+            },
+            indent=2,
+        )
+        + "\n",
+    )
     return paths
 
 
@@ -209,21 +289,45 @@ def _read_index(folder: Path, prefix: str) -> tuple[list[Path], list[ShardHeader
     try:
         entry = json.loads(index.read_bytes().decode("utf-8"))
         names = list(entry["shards"])
-        if not names or any(Path(name).name != name or not name.endswith(".bin") for name in names):
+        if not names or any(
+            Path(name).name != name or not name.endswith(".bin") for name in names
+        ):
             raise ValueError(f"field 'shards' is {names!r:.80}")
-    except (OSError, ValueError, TypeError, KeyError, RecursionError) as error:  # missing, not JSON, no list of names
-        raise ShardError(f"{index}: no index of .bin files in its folder, as write_shards writes ({error})") from None
+    # missing, not JSON, no list of names
+    except (
+        OSError,
+        ValueError,
+        TypeError,
+        KeyError,
+        RecursionError,
+    ) as error:
+        raise ShardError(
+            f"{index}: no index of .bin files in its folder, as write_shards writes ({error})"
+        ) from None
     paths = [folder / name for name in names]
     headers = [read_header(path) for path in paths]
-    kinds, total = {(h.vocab_size, h.tokenizer) for h in headers}, sum(h.num_tokens for h in headers)
-    if kinds != {(entry.get("vocab_size"), entry.get("tokenizer"))} or total != entry.get("num_tokens"):
-        raise ShardError(f"{index}: says {entry.get('num_tokens')!r} tokens of tokenizer {entry.get('tokenizer')!r} "
-                         f"({entry.get('vocab_size')!r} ids), but its shards hold {total:,} of {sorted(kinds)}")
+    kinds, total = (
+        {(h.vocab_size, h.tokenizer) for h in headers},
+        sum(h.num_tokens for h in headers),
+    )
+    if kinds != {
+        (entry.get("vocab_size"), entry.get("tokenizer"))
+    } or total != entry.get("num_tokens"):
+        raise ShardError(
+            f"{index}: says {entry.get('num_tokens')!r} tokens of tokenizer {entry.get('tokenizer')!r} "
+            f"({entry.get('vocab_size')!r} ids), but its shards hold {total:,} of {sorted(kinds)}"
+        )
     return paths, headers
 
 
-def cached_shards(folder: Path | str, make_tokens: Callable[[], np.ndarray], vocab_size: int, tokenizer: str,
-                  tokens_per_shard: int, prefix: str = "shard") -> list[Path]:
+def cached_shards(
+    folder: Path | str,
+    make_tokens: Callable[[], np.ndarray],
+    vocab_size: int,
+    tokenizer: str,
+    tokens_per_shard: int,
+    prefix: str = "shard",
+) -> list[Path]:
     """The shards in ``folder`` if they are complete and made by this tokenizer; otherwise rebuild them.
 
     A derived cache is trusted only after its index and every shard validate, never because one
@@ -235,19 +339,27 @@ def cached_shards(folder: Path | str, make_tokens: Callable[[], np.ndarray], voc
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    with FileLock(folder / f".{prefix}.lock"):  # released by the system if this process dies
+    # released by the system if this process dies
+    with FileLock(folder / f".{prefix}.lock"):
         try:
             paths, headers = _read_index(folder, prefix)
             counts = [h.num_tokens for h in headers]
-            if (headers[0].vocab_size, headers[0].tokenizer) == (vocab_size, tokenizer) \
-                    and set(counts[:-1]) <= {tokens_per_shard} and counts[-1] <= tokens_per_shard:
+            if (
+                (headers[0].vocab_size, headers[0].tokenizer) == (vocab_size, tokenizer)
+                and set(counts[:-1]) <= {tokens_per_shard}
+                and counts[-1] <= tokens_per_shard
+            ):
                 return paths
         except ShardError:
             pass
-        paths = write_shards(make_tokens(), folder, vocab_size, tokenizer, tokens_per_shard, prefix)
+        paths = write_shards(
+            make_tokens(), folder, vocab_size, tokenizer, tokens_per_shard, prefix
+        )
         # Shards of an older, longer cut and leftovers of killed writes:
-        for stale in {*folder.glob(f"{prefix}_*"), *folder.glob(f".{prefix}_*{TEMPORARY_MARKER}*")} - {
-                *paths, index_path(folder, prefix)}:
+        for stale in {
+            *folder.glob(f"{prefix}_*"),
+            *folder.glob(f".{prefix}_*{TEMPORARY_MARKER}*"),
+        } - {*paths, index_path(folder, prefix)}:
             stale.unlink(missing_ok=True)
         return paths
 
@@ -259,7 +371,9 @@ class StreamConfig:
 
     block_size: int = 256
     batch_size: int = 32
-    shuffle: bool = True  # seeded random order of blocks, new each epoch; False: file order
+    shuffle: bool = (
+        True  # seeded random order of blocks, new each epoch; False: file order
+    )
     seed: int = 0
     epochs: int | None = 1  # None: repeat epochs forever (count steps, not epochs)
     rank: int = 0  # this process's rank in distributed training
@@ -280,30 +394,64 @@ class TokenStream(IterableDataset):
     """
 
     def __init__(self, shards: Sequence[Path | str], config: StreamConfig) -> None:
-        self.paths, self.config, block = [Path(p) for p in shards], config, config.block_size
-        if not shards or min(block, config.batch_size) <= 0 or not 0 <= config.rank < config.world_size:
-            raise ShardError(f"TokenStream: {len(shards)} shards and {config}; expected at least one shard, positive "
-                             "block_size and batch_size, and 0 <= rank < world_size")
-        self.headers, names = [read_header(p) for p in self.paths], ", ".join(map(str, self.paths))
+        self.paths, self.config, block = (
+            [Path(p) for p in shards],
+            config,
+            config.block_size,
+        )
+        if (
+            not shards
+            or min(block, config.batch_size) <= 0
+            or not 0 <= config.rank < config.world_size
+        ):
+            raise ShardError(
+                f"TokenStream: {len(shards)} shards and {config}; expected at least one shard, positive "
+                "block_size and batch_size, and 0 <= rank < world_size"
+            )
+        self.headers, names = (
+            [read_header(p) for p in self.paths],
+            ", ".join(map(str, self.paths)),
+        )
         if len(kinds := {(h.tokenizer, h.vocab_size) for h in self.headers}) > 1:
-            raise ShardError(f"{names}: ids of {len(kinds)} tokenizers {sorted(kinds)}; a stream reads one tokenizer's")
+            raise ShardError(
+                f"{names}: ids of {len(kinds)} tokenizers {sorted(kinds)}; a stream reads one tokenizer's"
+            )
         counts = np.array([h.num_tokens for h in self.headers], dtype=np.int64)
         # A block needs block_size + 1 tokens; consecutive blocks share one token.
         blocks_per_shard = self.blocks_per_shard = np.maximum((counts - 1) // block, 0)
         self.num_blocks = int(blocks_per_shard.sum())
-        self.block_shard = np.repeat(np.arange(len(self.paths), dtype=np.int32), blocks_per_shard)
-        self.block_start = np.concatenate([np.arange(n, dtype=np.int64) * block for n in blocks_per_shard])
+        self.block_shard = np.repeat(
+            np.arange(len(self.paths), dtype=np.int32), blocks_per_shard
+        )
+        self.block_start = np.concatenate(
+            [np.arange(n, dtype=np.int64) * block for n in blocks_per_shard]
+        )
         # Tokens after each shard's last full block (a whole shard, if it is too short) are in no x or y.
-        self.unused_tail_tokens = int((counts - np.where(blocks_per_shard > 0, blocks_per_shard * block + 1, 0)).sum())
+        self.unused_tail_tokens = int(
+            (
+                counts - np.where(blocks_per_shard > 0, blocks_per_shard * block + 1, 0)
+            ).sum()
+        )
         per_step = config.world_size * config.batch_size
         self.batches_per_epoch = self.num_blocks // per_step  # on each rank
         if self.batches_per_epoch == 0:
-            raise ShardError(f"{names}: {self.num_blocks:,} blocks of block_size={block} (each needs {block + 1} tokens"
-                             f" in a shard; the longest has {counts.max():,}), under one step of {per_step} blocks")
-        self.dropped_blocks_per_epoch = self.num_blocks - self.batches_per_epoch * per_step
-        self.total_batches = None if config.epochs is None else config.epochs * self.batches_per_epoch  # None: forever
-        self.start_batch = 0  # position to resume from, in batches this rank has consumed
-        self._blocks: list[np.ndarray] | None = None  # each shard viewed as blocks, made lazily once per process
+            raise ShardError(
+                f"{names}: {self.num_blocks:,} blocks of block_size={block} (each needs {block + 1} tokens"
+                f" in a shard; the longest has {counts.max():,}), under one step of {per_step} blocks"
+            )
+        self.dropped_blocks_per_epoch = (
+            self.num_blocks - self.batches_per_epoch * per_step
+        )
+        # None: forever
+        self.total_batches = (
+            None if config.epochs is None else config.epochs * self.batches_per_epoch
+        )
+        self.start_batch = (
+            0  # position to resume from, in batches this rank has consumed
+        )
+        self._blocks: list[np.ndarray] | None = (
+            None  # each shard viewed as blocks, made lazily once per process
+        )
 
     # -- positions
     def state_dict(self, batches_consumed: int) -> dict:
@@ -313,19 +461,30 @@ class TokenStream(IterableDataset):
         saved too: a stream that would order batches differently refuses the position rather than skip data.
         """
         return {key: getattr(self.config, key) for key in _POSITION_KEYS} | {
-            "num_blocks": self.num_blocks, "batches_consumed": batches_consumed}
+            "num_blocks": self.num_blocks,
+            "batches_consumed": batches_consumed,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Start the next iteration at the batch after the ``batches_consumed`` saved in ``state``."""
         expected = self.state_dict(0)
         if not isinstance(state, dict) or set(state) != set(expected):
-            raise ValueError(f"stream state {state!r:.80} lacks or adds to the keys {sorted(expected)} of "
-                             "TokenStream.state_dict")
-        differs = [f"{key} saved {state[key]!r} but this stream has {value!r}"
-                   for key, value in expected.items() if key != "batches_consumed" and state[key] != value]
+            raise ValueError(
+                f"stream state {state!r:.80} lacks or adds to the keys {sorted(expected)} of "
+                "TokenStream.state_dict"
+            )
+        differs = [
+            f"{key} saved {state[key]!r} but this stream has {value!r}"
+            for key, value in expected.items()
+            if key != "batches_consumed" and state[key] != value
+        ]
         position, total = state["batches_consumed"], self.total_batches
-        if type(position) is not int or not 0 <= position <= (position if total is None else total):
-            differs.append(f"batches_consumed={position!r}, expected an int in 0..{total}")
+        if type(position) is not int or not 0 <= position <= (
+            position if total is None else total
+        ):
+            differs.append(
+                f"batches_consumed={position!r}, expected an int in 0..{total}"
+            )
         if differs:
             raise ValueError(f"cannot resume this stream: {', '.join(differs)}")
         self.start_batch = position
@@ -333,7 +492,9 @@ class TokenStream(IterableDataset):
     def __len__(self) -> int:
         """Batches one iteration yields on this rank, from the current start position."""
         if self.total_batches is None:
-            raise TypeError("TokenStream with epochs=None repeats forever and has no length")
+            raise TypeError(
+                "TokenStream with epochs=None repeats forever and has no length"
+            )
         return self.total_batches - self.start_batch
 
     # -- order
@@ -343,7 +504,11 @@ class TokenStream(IterableDataset):
         Seeded by the pair ``(seed, epoch)``, so seed 1 epoch 0 and seed 0
         epoch 1 are different orders (``seed + epoch`` would make them equal).
         """
-        order = np.random.default_rng((self.config.seed, epoch)).permutation if self.config.shuffle else np.arange
+        order = (
+            np.random.default_rng((self.config.seed, epoch)).permutation
+            if self.config.shuffle
+            else np.arange
+        )
         return order(self.num_blocks)
 
     def rank_batches(self, epoch: int) -> np.ndarray:
@@ -366,32 +531,64 @@ class TokenStream(IterableDataset):
         Nothing is copied (consecutive rows share one token); a batch is a gather of whole rows.
         """
         block, views = self.config.block_size, []
-        for path, header, rows in zip(self.paths, self.headers, self.blocks_per_shard):
+        for path, header, rows in zip(
+            self.paths, self.headers, self.blocks_per_shard, strict=True
+        ):
             tokens = open_shard(path)
             if (len(tokens), tokens.dtype.name) != (header.num_tokens, header.dtype):
-                raise ShardError(f"{path}: holds {len(tokens):,} {tokens.dtype} tokens, but {header.num_tokens:,} "
-                                 f"{header.dtype} when this stream was built; it was rewritten: build a new stream")
-            views.append(np.lib.stride_tricks.as_strided(tokens, shape=(int(rows), block + 1), writeable=False,
-                                                         strides=(block * tokens.itemsize, tokens.itemsize)))
+                raise ShardError(
+                    f"{path}: holds {len(tokens):,} {tokens.dtype} tokens, but {header.num_tokens:,} "
+                    f"{header.dtype} when this stream was built; it was rewritten: build a new stream"
+                )
+            views.append(
+                np.lib.stride_tricks.as_strided(
+                    tokens,
+                    shape=(int(rows), block + 1),
+                    writeable=False,
+                    strides=(block * tokens.itemsize, tokens.itemsize),
+                )
+            )
         return views
 
     def _gather(self, block_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Read blocks ``block_ids`` (sorted, as rank_batches gives them) as int64 ``(x, y)``, one gather per shard."""
-        self._blocks = self._blocks or self._block_views()  # mapped on first use, in each worker
-        shard_of = self.block_shard[block_ids]  # non-decreasing: rank_batches sorts each batch
-        row_of = self.block_start[block_ids] // self.config.block_size  # the block's row in its shard's view
-        if shard_of[0] == shard_of[-1]:  # the common case with large shards: one gather of whole rows
+        # mapped on first use, in each worker
+        self._blocks = self._blocks or self._block_views()
+        # non-decreasing: rank_batches sorts each batch
+        shard_of = self.block_shard[block_ids]
+        # the block's row in its shard's view
+        row_of = self.block_start[block_ids] // self.config.block_size
+        # the common case with large shards: one gather of whole rows
+        if shard_of[0] == shard_of[-1]:
             rows = self._blocks[shard_of[0]][row_of]
         else:  # one gather per shard (np.take would first copy the whole overlapping view)
-            cuts = [0, *(np.flatnonzero(np.diff(shard_of)) + 1), len(block_ids)]  # where the shard changes
-            rows = np.concatenate([self._blocks[shard_of[first]][row_of[first:end]] for first, end in pairwise(cuts)])
+            # where the shard changes
+            cuts = [
+                0,
+                *(np.flatnonzero(np.diff(shard_of)) + 1),
+                len(block_ids),
+            ]
+            rows = np.concatenate(
+                [
+                    self._blocks[shard_of[first]][row_of[first:end]]
+                    for first, end in pairwise(cuts)
+                ]
+            )
         # astype copies, so x and y come out contiguous (y.view(-1) works) and writable.
-        return torch.from_numpy(rows[:, :-1].astype(np.int64)), torch.from_numpy(rows[:, 1:].astype(np.int64))
+        return torch.from_numpy(rows[:, :-1].astype(np.int64)), torch.from_numpy(
+            rows[:, 1:].astype(np.int64)
+        )
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         worker = get_worker_info()
-        num_workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
-        position, current_epoch = self.start_batch + worker_id, None  # this worker's first batch
+        num_workers, worker_id = (
+            (1, 0) if worker is None else (worker.num_workers, worker.id)
+        )
+        # this worker's first batch
+        position, current_epoch = (
+            self.start_batch + worker_id,
+            None,
+        )
         while self.total_batches is None or position < self.total_batches:
             epoch, batch = divmod(position, self.batches_per_epoch)
             if epoch != current_epoch:

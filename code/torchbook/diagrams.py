@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-if TYPE_CHECKING:  # type hints only: tensors and modules are read through their own methods
+# type hints only: tensors and modules are read through their own methods
+if TYPE_CHECKING:
     import torch
     from torch import nn
 
@@ -23,18 +24,22 @@ if TYPE_CHECKING:  # type hints only: tensors and modules are read through their
 PARAMETER_COLOUR = "tab:blue"
 BUFFER_COLOUR = "tab:orange"
 SAVED_BUFFER_COLOUR = "tab:brown"
-STRETCHED_COLOUR = "#fdd9a0"  # a size-1 or missing dimension that broadcasting stretches
+STRETCHED_COLOUR = (
+    "#fdd9a0"  # a size-1 or missing dimension that broadcasting stretches
+)
 KEPT_COLOUR = "#cfe3f5"  # a dimension whose size is already the result's
 
 
-def storage_positions(shape: Sequence[int], stride: Sequence[int], offset: int = 0) -> list[int]:
+def storage_positions(
+    shape: Sequence[int], stride: Sequence[int], offset: int = 0
+) -> list[int]:
     """Storage position of every element of a strided tensor, in row-major order of its indices.
 
     Element (i0, i1, ...) lives at ``offset + i0 * stride[0] + i1 * stride[1] + ...``:
     this is all a view is, and why a view needs no copy.
     """
     positions = [offset]
-    for size, step in zip(shape, stride):
+    for size, step in zip(shape, stride, strict=True):
         positions = [p + i * step for p in positions for i in range(size)]
     return positions
 
@@ -46,7 +51,9 @@ def _flat_values(values: object) -> list:
     return [leaf for item in values for leaf in _flat_values(item)]
 
 
-def plot_memory_layout(tensors: Mapping[str, "torch.Tensor"], cmap: str = "viridis") -> Figure:
+def plot_memory_layout(
+    tensors: Mapping[str, torch.Tensor], cmap: str = "viridis"
+) -> Figure:
     """Draw each tensor's elements as a grid over the flat storage they live in.
 
     Per tensor (1-D to 3-D; a 3-D tensor is drawn as its first dimension's
@@ -56,34 +63,72 @@ def plot_memory_layout(tensors: Mapping[str, "torch.Tensor"], cmap: str = "virid
     memory order. Views of one tensor share the strip and its colours; a copy has
     a strip of its own. Shape and strides come from the tensors themselves.
     """
-    figure, axes = plt.subplots(len(tensors), 1, figsize=(7.5, 1.7 * len(tensors)), layout="constrained",
-                                squeeze=False)
+    figure, axes = plt.subplots(
+        len(tensors),
+        1,
+        figsize=(7.5, 1.7 * len(tensors)),
+        layout="constrained",
+        squeeze=False,
+    )
     colours = plt.get_cmap(cmap)
-    for ax, (name, tensor) in zip(axes[:, 0], tensors.items()):
+    for ax, (name, tensor) in zip(axes[:, 0], tensors.items(), strict=True):
         shape, stride = tuple(tensor.shape), tuple(tensor.stride())
         if not 1 <= len(shape) <= 3:
-            raise ValueError(f"plot_memory_layout: {name!r} has shape {shape}; draw 1-D to 3-D tensors")
+            raise ValueError(
+                f"plot_memory_layout: {name!r} has shape {shape}; draw 1-D to 3-D tensors"
+            )
         positions = storage_positions(shape, stride, tensor.storage_offset())
         values = _flat_values(tensor.tolist())
         first, span = min(positions), max(max(positions) - min(positions), 1)
         slices, rows, cols = (1,) * (3 - len(shape)) + shape
         centres = {}  # storage position -> grid cell centre
-        for index, (position, value) in enumerate(zip(positions, values)):
+        for index, (position, value) in enumerate(zip(positions, values, strict=True)):
             block, rest = divmod(index, rows * cols)
             row, col = divmod(rest, cols)
             x, y = block * (cols + 1) + col, -row
             shade = 0.1 + 0.85 * (position - first) / span
             colour, ink = colours(shade), "white" if shade < 0.6 else "black"
-            ax.add_patch(plt.Rectangle((x, y), 1, 1, facecolor=colour, edgecolor="white"))
+            ax.add_patch(
+                plt.Rectangle((x, y), 1, 1, facecolor=colour, edgecolor="white")
+            )
             label = f"{value:g}" if isinstance(value, float) else str(value)
-            ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=7, color=ink, zorder=3)
+            ax.text(
+                x + 0.5,
+                y + 0.5,
+                label,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color=ink,
+                zorder=3,
+            )
             centres[position] = (x + 0.5, y + 0.5)
             strip_x = position - first
-            ax.add_patch(plt.Rectangle((strip_x, -rows - 0.6), 1, 1, facecolor=colour, edgecolor="white"))
-            ax.text(strip_x + 0.5, -rows - 0.1, label, ha="center", va="center", fontsize=7, color=ink)
+            ax.add_patch(
+                plt.Rectangle(
+                    (strip_x, -rows - 0.6), 1, 1, facecolor=colour, edgecolor="white"
+                )
+            )
+            ax.text(
+                strip_x + 0.5,
+                -rows - 0.1,
+                label,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color=ink,
+            )
         in_memory_order = [centres[p] for p in sorted(centres)]
-        ax.plot(*zip(*in_memory_order), color="tab:red", linewidth=0.6, alpha=0.6, zorder=2)
-        ax.plot(*in_memory_order[0], marker="o", color="tab:red", markersize=3, zorder=2)
+        ax.plot(
+            *zip(*in_memory_order, strict=True),
+            color="tab:red",
+            linewidth=0.6,
+            alpha=0.6,
+            zorder=2,
+        )
+        ax.plot(
+            *in_memory_order[0], marker="o", color="tab:red", markersize=3, zorder=2
+        )
         ax.text(-0.2, 1 - rows / 2, "by index", ha="right", va="center", fontsize=8)
         ax.text(-0.2, -rows - 0.1, "storage", ha="right", va="center", fontsize=8)
         ax.set_title(f"{name}: shape {shape}, stride {stride}", fontsize=9, loc="left")
@@ -102,13 +147,17 @@ def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...]:
     for dim in range(1, max(map(len, shapes)) + 1):
         sizes = {shape[-dim] for shape in shapes if len(shape) >= dim} - {1}
         if len(sizes) > 1:
-            raise ValueError(f"broadcast_shape: sizes {sorted(sizes)} in dimension {-dim} of shapes "
-                             f"{[tuple(s) for s in shapes]} are neither equal nor 1")
+            raise ValueError(
+                f"broadcast_shape: sizes {sorted(sizes)} in dimension {-dim} of shapes "
+                f"{[tuple(s) for s in shapes]} are neither equal nor 1"
+            )
         result.insert(0, sizes.pop() if sizes else 1)
     return tuple(result)
 
 
-def plot_broadcasting(cases: Mapping[str, Sequence[tuple[str, Sequence[int]]]]) -> Figure:
+def plot_broadcasting(
+    cases: Mapping[str, Sequence[tuple[str, Sequence[int]]]],
+) -> Figure:
     """Draw how broadcasting lines up each case's operand shapes from the right.
 
     ``cases`` maps a title to its operands as ``(name, shape)``. One panel per
@@ -117,28 +166,62 @@ def plot_broadcasting(cases: Mapping[str, Sequence[tuple[str, Sequence[int]]]]) 
     already the result's size is blue; a size-1 or missing one, which
     broadcasting stretches without copying, is orange and reads ``1→n`` or ``·→n``.
     """
-    figure, axes = plt.subplots(1, len(cases), figsize=(2.6 * len(cases), 1.9), layout="constrained",
-                                squeeze=False)
-    for ax, (title, operands) in zip(axes[0], cases.items()):
+    figure, axes = plt.subplots(
+        1,
+        len(cases),
+        figsize=(2.6 * len(cases), 1.9),
+        layout="constrained",
+        squeeze=False,
+    )
+    for ax, (title, operands) in zip(axes[0], cases.items(), strict=True):
         result = broadcast_shape(*(shape for _, shape in operands))
         columns = len(result)
         rows = [*operands, ("result", result)]
         for row, (name, shape) in enumerate(rows):
             y = -row
-            ax.text(-0.15, y + 0.45, name, ha="right", va="center", fontsize=8,
-                    weight="bold" if name == "result" else "normal")
+            ax.text(
+                -0.15,
+                y + 0.45,
+                name,
+                ha="right",
+                va="center",
+                fontsize=8,
+                weight="bold" if name == "result" else "normal",
+            )
             for column in range(columns):
-                dim = column - columns  # -columns .. -1: broadcasting counts from the right
+                # -columns .. -1: broadcasting counts from the right
+                dim = column - columns
                 size = shape[dim] if len(shape) >= -dim else None
                 stretched = size != result[dim]
-                text = str(size) if not stretched else f"{'·' if size is None else size}→{result[dim]}"
-                ax.add_patch(plt.Rectangle(
-                    (column, y), 0.95, 0.9, facecolor=STRETCHED_COLOUR if stretched else KEPT_COLOUR,
-                    edgecolor="0.4", linestyle="--" if size is None else "-", linewidth=0.8))
-                ax.text(column + 0.475, y + 0.45, text, ha="center", va="center", fontsize=8)
+                text = (
+                    str(size)
+                    if not stretched
+                    else f"{'·' if size is None else size}→{result[dim]}"
+                )
+                ax.add_patch(
+                    plt.Rectangle(
+                        (column, y),
+                        0.95,
+                        0.9,
+                        facecolor=STRETCHED_COLOUR if stretched else KEPT_COLOUR,
+                        edgecolor="0.4",
+                        linestyle="--" if size is None else "-",
+                        linewidth=0.8,
+                    )
+                )
+                ax.text(
+                    column + 0.475, y + 0.45, text, ha="center", va="center", fontsize=8
+                )
         for column in range(columns):
-            ax.text(column + 0.475, 1.15, str(column - columns), ha="center", va="center", fontsize=7,
-                    color="0.4")
+            ax.text(
+                column + 0.475,
+                1.15,
+                str(column - columns),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="0.4",
+            )
         ax.set_title(title, fontsize=9)
         ax.set_xlim(-2.2, columns + 0.1)
         ax.set_ylim(-len(rows) + 0.8, 1.5)
@@ -147,14 +230,18 @@ def plot_broadcasting(cases: Mapping[str, Sequence[tuple[str, Sequence[int]]]]) 
     return figure
 
 
-def _tensor_label(name: str, tensor: "torch.Tensor") -> str:
+def _tensor_label(name: str, tensor: torch.Tensor) -> str:
     """``name`` and shape, and the dtype where it is not floating point (a bool mask, integer ids)."""
     shape = "×".join(map(str, tensor.shape)) or "scalar"
-    dtype = "" if tensor.is_floating_point() else f" {str(tensor.dtype).removeprefix('torch.')}"
+    dtype = (
+        ""
+        if tensor.is_floating_point()
+        else f" {str(tensor.dtype).removeprefix('torch.')}"
+    )
     return f"{name} {shape}{dtype}"
 
 
-def plot_module_tree(model: "nn.Module", collapse_repeats: bool = True) -> Figure:
+def plot_module_tree(model: nn.Module, collapse_repeats: bool = True) -> Figure:
     """Draw a module tree: each submodule with its type, the tensors it owns and its parameter count.
 
     Read from ``named_modules()``, ``named_parameters()``, ``named_buffers()`` and
@@ -171,73 +258,150 @@ def plot_module_tree(model: "nn.Module", collapse_repeats: bool = True) -> Figur
         first_name.setdefault(id(parameter), name)
     saved = set(model.state_dict(keep_vars=True))
     modules = dict(model.named_modules())
-    rows: list[tuple[str, str, list[tuple[str, str]], int]] = []  # text, type, labelled tensors, count
+    # text, type, labelled tensors, count
+    rows: list[tuple[str, str, list[tuple[str, str]], int]] = []
     skipped_prefixes: list[str] = []
     for name, module in modules.items():
-        if any(name == prefix or name.startswith(f"{prefix}.") for prefix in skipped_prefixes):
+        if any(
+            name == prefix or name.startswith(f"{prefix}.")
+            for prefix in skipped_prefixes
+        ):
             continue
         parent, _, leaf = name.rpartition(".")
         depth = name.count(".") + 1 if name else 0
         count = sum(p.numel() for p in module.parameters())
         if collapse_repeats and leaf.isdigit() and leaf != "0":
             first = modules[f"{parent}.0" if parent else "0"]
-            siblings = [n for n in modules if n.rpartition(".")[0] == parent and n.rpartition(".")[2].isdigit()]
-            if leaf == "1" and all(type(modules[n]) is type(first) for n in siblings[1:]) and all(
-                    sum(p.numel() for p in modules[n].parameters()) == count for n in siblings[1:]):
+            siblings = [
+                n
+                for n in modules
+                if n.rpartition(".")[0] == parent and n.rpartition(".")[2].isdigit()
+            ]
+            if (
+                leaf == "1"
+                and all(type(modules[n]) is type(first) for n in siblings[1:])
+                and all(
+                    sum(p.numel() for p in modules[n].parameters()) == count
+                    for n in siblings[1:]
+                )
+            ):
                 skipped_prefixes += siblings[1:]
                 last = siblings[-1].rpartition(".")[2]
-                rows.append(("  " * depth + (leaf if last == leaf else f"{leaf}–{last}"),
-                             f"{len(siblings) - 1} × {type(module).__name__}",
-                             [(f"each as {parent}.0", "0.4")], count * (len(siblings) - 1)))
+                rows.append(
+                    (
+                        "  " * depth + (leaf if last == leaf else f"{leaf}–{last}"),
+                        f"{len(siblings) - 1} × {type(module).__name__}",
+                        [(f"each as {parent}.0", "0.4")],
+                        count * (len(siblings) - 1),
+                    )
+                )
                 continue
         tensors = []
         for tensor_name, parameter in module.named_parameters(recurse=False):
             full = f"{name}.{tensor_name}" if name else tensor_name
-            tied = "" if first_name[id(parameter)] == full else f" = {first_name[id(parameter)]}"
-            tensors.append((_tensor_label(tensor_name, parameter) + tied, PARAMETER_COLOUR))
+            tied = (
+                ""
+                if first_name[id(parameter)] == full
+                else f" = {first_name[id(parameter)]}"
+            )
+            tensors.append(
+                (_tensor_label(tensor_name, parameter) + tied, PARAMETER_COLOUR)
+            )
         for tensor_name, buffer in module.named_buffers(recurse=False):
             full = f"{name}.{tensor_name}" if name else tensor_name
-            tensors.append((_tensor_label(tensor_name, buffer),
-                            SAVED_BUFFER_COLOUR if full in saved else BUFFER_COLOUR))
-        rows.append(("  " * depth + (leaf or "(model)"), type(module).__name__, tensors, count))
+            tensors.append(
+                (
+                    _tensor_label(tensor_name, buffer),
+                    SAVED_BUFFER_COLOUR if full in saved else BUFFER_COLOUR,
+                )
+            )
+        rows.append(
+            ("  " * depth + (leaf or "(model)"), type(module).__name__, tensors, count)
+        )
 
     height = 0.24 * (len(rows) + 2.5) + 0.4
     # Fixed margins, not a layout engine: each text is placed after measuring the one before it.
     figure, (tree_ax, count_ax) = plt.subplots(
-        1, 2, figsize=(7.5, height), width_ratios=(3.6, 1), sharey=True,
-        gridspec_kw={"left": 0.01, "right": 0.94, "top": 0.99, "bottom": 0.4 / height, "wspace": 0.02})
+        1,
+        2,
+        figsize=(7.5, height),
+        width_ratios=(3.6, 1),
+        sharey=True,
+        gridspec_kw={
+            "left": 0.01,
+            "right": 0.94,
+            "top": 0.99,
+            "bottom": 0.4 / height,
+            "wspace": 0.02,
+        },
+    )
     renderer = figure.canvas.get_renderer()
 
     def right_edge(drawn: plt.Text) -> float:
-        return drawn.get_window_extent(renderer).transformed(tree_ax.transAxes.inverted()).x1
+        return (
+            drawn.get_window_extent(renderer)
+            .transformed(tree_ax.transAxes.inverted())
+            .x1
+        )
 
-    names = [tree_ax.text(0.0, y, row[0], va="center", fontsize=7.5, family="monospace")
-             for y, row in enumerate(rows)]
+    names = [
+        tree_ax.text(0.0, y, row[0], va="center", fontsize=7.5, family="monospace")
+        for y, row in enumerate(rows)
+    ]
     type_x = max(map(right_edge, names)) + 0.02
-    types = [tree_ax.text(type_x, y, row[1], va="center", fontsize=7.5, color="0.4")
-             for y, row in enumerate(rows)]
+    types = [
+        tree_ax.text(type_x, y, row[1], va="center", fontsize=7.5, color="0.4")
+        for y, row in enumerate(rows)
+    ]
     tensors_x = max(map(right_edge, types)) + 0.02
     for y, (_, _, tensors, count) in enumerate(rows):
         fontsize, drawn = 7.5, []
         while True:  # a row too long for the panel is drawn again, in a smaller font
             x = tensors_x
             for label, colour in tensors:
-                drawn.append(tree_ax.text(x, y, label, va="center", fontsize=fontsize, color=colour))
+                drawn.append(
+                    tree_ax.text(
+                        x, y, label, va="center", fontsize=fontsize, color=colour
+                    )
+                )
                 x = right_edge(drawn[-1]) + 0.015
-            if x <= 1.0 or fontsize < 4:  # fits, or as small as is readable: let it run on
+            # fits, or as small as is readable: let it run on
+            if x <= 1.0 or fontsize < 4:
                 break
             for text in drawn:
                 text.remove()
             drawn.clear()
             fontsize *= 0.95 * (1.0 - tensors_x) / (x - tensors_x)
         shared = any(" = " in label for label, _ in tensors) and len(tensors) == 1
-        count_ax.barh(y, count, height=0.6, color=PARAMETER_COLOUR, alpha=0.6 if y == 0 else 0.35,
-                      hatch="///" if shared else None)
-        count_ax.text(count, y, f" {count:,}" + (" shared" if shared else ""), va="center", fontsize=7)
+        count_ax.barh(
+            y,
+            count,
+            height=0.6,
+            color=PARAMETER_COLOUR,
+            alpha=0.6 if y == 0 else 0.35,
+            hatch="///" if shared else None,
+        )
+        count_ax.text(
+            count,
+            y,
+            f" {count:,}" + (" shared" if shared else ""),
+            va="center",
+            fontsize=7,
+        )
     x = 0.0
-    for colour, meaning in ((PARAMETER_COLOUR, "parameter (trained, saved)"),
-                            (BUFFER_COLOUR, "buffer, not saved"), (SAVED_BUFFER_COLOUR, "buffer, saved")):
-        x = right_edge(tree_ax.text(x, -1.4, "■ " + meaning, color=colour, fontsize=7.5, va="center")) + 0.03
+    for colour, meaning in (
+        (PARAMETER_COLOUR, "parameter (trained, saved)"),
+        (BUFFER_COLOUR, "buffer, not saved"),
+        (SAVED_BUFFER_COLOUR, "buffer, saved"),
+    ):
+        x = (
+            right_edge(
+                tree_ax.text(
+                    x, -1.4, "■ " + meaning, color=colour, fontsize=7.5, va="center"
+                )
+            )
+            + 0.03
+        )
     tree_ax.set_ylim(len(rows) - 0.4, -2.0)
     tree_ax.set_xlim(0, 1)
     tree_ax.axis("off")
@@ -251,12 +415,21 @@ def plot_module_tree(model: "nn.Module", collapse_repeats: bool = True) -> Figur
 
 
 # One training step under DDP or FSDP2 (chapter 6): what a rank computes, and what it sends meanwhile.
-STEP_COLOURS = {"forward": "#c6dbef", "backward": "#6baed6", "all-reduce": "#fd8d3c",
-                "all-gather": "#74c476", "reduce-scatter": "#9e9ac8", "full weights held": "#fee391"}
+STEP_COLOURS = {
+    "forward": "#c6dbef",
+    "backward": "#6baed6",
+    "all-reduce": "#fd8d3c",
+    "all-gather": "#74c476",
+    "reduce-scatter": "#9e9ac8",
+    "full weights held": "#fee391",
+}
 
 
-def plot_step_timeline(lanes: Mapping[str, Sequence[tuple[float, float, str, str]]], xlabel: str,
-                       title: str | None = None) -> Figure:
+def plot_step_timeline(
+    lanes: Mapping[str, Sequence[tuple[float, float, str, str]]],
+    xlabel: str,
+    title: str | None = None,
+) -> Figure:
     """Draw one training step as rows of boxes; returns the figure.
 
     ``lanes`` maps a row's name (top to bottom) to its boxes, each ``(start,
@@ -269,20 +442,47 @@ def plot_step_timeline(lanes: Mapping[str, Sequence[tuple[float, float, str, str
     for row, name in enumerate(names):
         y = len(names) - 1 - row
         for start, length, label, kind in lanes[name]:
-            ax.barh(y, length, left=start, height=0.6, color=STEP_COLOURS[kind], edgecolor="black", linewidth=0.5)
-            ax.text(start + length / 2, y, label, ha="center", va="center", fontsize=7,
-                    rotation=90 if length < 0.03 * _lane_span(lanes) else 0)
+            ax.barh(
+                y,
+                length,
+                left=start,
+                height=0.6,
+                color=STEP_COLOURS[kind],
+                edgecolor="black",
+                linewidth=0.5,
+            )
+            ax.text(
+                start + length / 2,
+                y,
+                label,
+                ha="center",
+                va="center",
+                fontsize=7,
+                rotation=90 if length < 0.03 * _lane_span(lanes) else 0,
+            )
             kinds_drawn[kind] = None
     ax.set_yticks(range(len(names)), list(reversed(names)))
     ax.set_xlabel(xlabel)
     ax.set_xlim(0, _lane_span(lanes) * 1.01)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=STEP_COLOURS[kind]) for kind in kinds_drawn]
-    fig.legend(handles, list(kinds_drawn), loc="lower center", ncol=len(kinds_drawn), fontsize=8, frameon=False)
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, color=STEP_COLOURS[kind]) for kind in kinds_drawn
+    ]
+    fig.legend(
+        handles,
+        list(kinds_drawn),
+        loc="lower center",
+        ncol=len(kinds_drawn),
+        fontsize=8,
+        frameon=False,
+    )
     if title:
         ax.set_title(title)
-    fig.tight_layout(rect=(0, 0.1 + 0.1 / len(lanes), 1, 1))  # room for the legend below the axis label
+    # room for the legend below the axis label
+    fig.tight_layout(rect=(0, 0.1 + 0.1 / len(lanes), 1, 1))
     return fig
 
 
 def _lane_span(lanes: Mapping[str, Sequence[tuple[float, float, str, str]]]) -> float:
-    return max(start + length for boxes in lanes.values() for start, length, _, _ in boxes)
+    return max(
+        start + length for boxes in lanes.values() for start, length, _, _ in boxes
+    )

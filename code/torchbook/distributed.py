@@ -48,12 +48,17 @@ def init_distributed(device_type: str) -> DistributedContext:
     collective runs, so that NCCL does not put every rank on GPU 0.
     """
     if device_type not in ("cpu", "cuda"):
-        raise ValueError(f"init_distributed: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+        raise ValueError(
+            f"init_distributed: device_type must be 'cpu' or 'cuda', got {device_type!r}"
+        )
     if not dist.is_available():
-        raise RuntimeError("init_distributed: this PyTorch build has no torch.distributed")
+        raise RuntimeError(
+            "init_distributed: this PyTorch build has no torch.distributed"
+        )
     device = torch.device(device_type)
     backend = backend_for(device)
-    dist.init_process_group(backend)  # env://: the rank, world size and address torchrun set
+    # env://: the rank, world size and address torchrun set
+    dist.init_process_group(backend)
     if device_type == "cuda":
         # NCCL creates its communicators at the first collective, on the current device.
         device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
@@ -79,13 +84,15 @@ def rank_slice(batch: Tensor, rank: int, world_size: int) -> Tensor:
     wait for each other at every all-reduce and weigh their tokens differently.
     """
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank_slice: expected 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        raise ValueError(
+            f"rank_slice: expected 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
+        )
     if batch.size(0) % world_size != 0:
         raise ValueError(
             f"rank_slice: a global batch of {batch.size(0)} rows does not split evenly over {world_size} ranks"
         )
     rows = batch.size(0) // world_size
-    return batch[rank * rows:(rank + 1) * rows]
+    return batch[rank * rows : (rank + 1) * rows]
 
 
 class AllReduceCounter:
@@ -96,7 +103,9 @@ class AllReduceCounter:
         self.bucket_bytes: list[int] = []  # one entry per all-reduce, in order
 
 
-def counting_allreduce_hook(state: AllReduceCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def counting_allreduce_hook(
+    state: AllReduceCounter, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """A DDP communication hook: record the call and its bucket's bytes in ``state``, then do DDP's
     usual all-reduce (an average)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -106,7 +115,9 @@ def counting_allreduce_hook(state: AllReduceCounter, bucket: dist.GradBucket) ->
     return allreduce_hook(None, bucket)  # None: the default (world) process group
 
 
-def count_allreduces(ddp_model: nn.parallel.DistributedDataParallel) -> AllReduceCounter:
+def count_allreduces(
+    ddp_model: nn.parallel.DistributedDataParallel,
+) -> AllReduceCounter:
     """Register the counting hook on ``ddp_model`` and return its counter.
 
     DDP groups gradients into buckets and all-reduces each bucket as soon as
@@ -133,9 +144,13 @@ def _local(tensor: Tensor) -> Tensor:
     return to_local() if callable(to_local) else tensor
 
 
-def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+def local_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, int]:
     """Bytes this rank stores for ``parameters`` and ``optimizer_state`` (local shards only)."""
-    parameters = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+    parameters = sum(
+        _local(p).numel() * _local(p).element_size() for p in model.parameters()
+    )
     state = 0
     if optimizer is not None:
         for per_parameter in optimizer.state.values():

@@ -51,7 +51,9 @@ def _new_temporary(path: Path) -> Path:
     ``open`` does.
     """
     while True:
-        temporary = path.parent / f".{path.name}{TEMPORARY_MARKER}{secrets.token_hex(4)}"
+        temporary = (
+            path.parent / f".{path.name}{TEMPORARY_MARKER}{secrets.token_hex(4)}"
+        )
         try:
             os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             return temporary
@@ -79,10 +81,14 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     except BaseException as error:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
-        if not isinstance(error, OSError) or error.errno is None:  # not the system's (a URLError): unchanged
+        # not the system's (a URLError): unchanged
+        if not isinstance(error, OSError) or error.errno is None:
             raise
         # OSError(errno, text) gives the subclass of that errno: PermissionError, ...
-        raise OSError(error.errno, f"{path}: could not be written ({error.strerror}); it is unchanged") from error
+        raise OSError(
+            error.errno,
+            f"{path}: could not be written ({error.strerror}); it is unchanged",
+        ) from error
     fsync_path(path.parent)
     return path
 

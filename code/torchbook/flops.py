@@ -22,9 +22,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from torchbook.device import synchronize
 from torchbook.memory import matmul_parameter_count, training_loss, training_step
 from torchbook.models import GPTConfig
-from torchbook.profiles import synchronize
 
 
 def flops_per_token(config: GPTConfig, seq_len: int) -> int:
@@ -36,10 +36,15 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> int:
     token and layer forward, x3 with backward. Counted over the full (T, T)
     square, as FLOP counters count it; a causal kernel skips about half.
     """
-    return 6 * matmul_parameter_count(config) + 12 * config.n_layer * seq_len * config.d_model
+    return (
+        6 * matmul_parameter_count(config)
+        + 12 * config.n_layer * seq_len * config.d_model
+    )
 
 
-def count_training_flops(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, precision: str) -> int:
+def count_training_flops(
+    model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, precision: str
+) -> int:
     """FLOPs of one forward and backward pass, as ``FlopCounterMode`` counts them.
 
     Attention runs on SDPA's math path here: the counter has no formula for the
@@ -52,8 +57,12 @@ def count_training_flops(model: nn.Module, idx: torch.Tensor, targets: torch.Ten
     return counter.get_total_flops()
 
 
-def matmul_flops_per_second(size: int, device: torch.device, dtype: torch.dtype = torch.float32,
-                            repeats: int = 5) -> float:
+def matmul_flops_per_second(
+    size: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 5,
+) -> float:
     """The best rate of one (size x size) @ (size x size) matmul: this machine's practical peak."""
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     a @ b  # warm-up: the first call pays for allocation and kernel selection
@@ -64,12 +73,18 @@ def matmul_flops_per_second(size: int, device: torch.device, dtype: torch.dtype 
         a @ b
         synchronize(a.device)
         best = min(best, time.perf_counter() - started)
-    return 2 * size ** 3 / best
+    return 2 * size**3 / best
 
 
-def throughput_metrics(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor,
-                       targets: torch.Tensor, precision: str, steps: int, peak_flops_per_second: float
-                       ) -> dict[str, float]:
+def throughput_metrics(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    idx: torch.Tensor,
+    targets: torch.Tensor,
+    precision: str,
+    steps: int,
+    peak_flops_per_second: float,
+) -> dict[str, float]:
     """Tokens per second of ``training_step`` (best of ``steps``), FLOPs per token, and MFU against the given peak.
 
     MFU, model FLOPs utilisation (Chowdhery et al. 2022, PaLM), is the FLOP rate
@@ -77,7 +92,8 @@ def throughput_metrics(model: nn.Module, optimizer: torch.optim.Optimizer, idx: 
     the rate ``matmul_flops_per_second`` measures on the same device, one this
     machine reaches, rather than a datasheet's.
     """
-    training_step(model, optimizer, idx, targets, precision)  # warm-up: AdamW's states, the allocator's blocks
+    # warm-up: AdamW's states, the allocator's blocks
+    training_step(model, optimizer, idx, targets, precision)
     best = math.inf
     for _ in range(steps):
         synchronize(idx.device)
@@ -87,7 +103,11 @@ def throughput_metrics(model: nn.Module, optimizer: torch.optim.Optimizer, idx: 
         best = min(best, time.perf_counter() - started)
     tokens_per_second = idx.numel() / best
     per_token = flops_per_token(model.config, idx.size(1))
-    return {"step_s": best, "tokens_per_second": tokens_per_second, "flops_per_token": float(per_token),
-            "model_flops_per_second": per_token * tokens_per_second,
-            "matmul_flops_per_second": peak_flops_per_second,
-            "mfu": per_token * tokens_per_second / peak_flops_per_second}
+    return {
+        "step_s": best,
+        "tokens_per_second": tokens_per_second,
+        "flops_per_token": float(per_token),
+        "model_flops_per_second": per_token * tokens_per_second,
+        "matmul_flops_per_second": peak_flops_per_second,
+        "mfu": per_token * tokens_per_second / peak_flops_per_second,
+    }

@@ -28,33 +28,45 @@ def jinja_chat_template(template: ChatTemplate = ChatTemplate()) -> str:
     ``render_chat`` refuses it; ``add_generation_prompt=True`` appends the
     assistant marker, the prompt a model completes at inference.
     """
-    user, assistant, end = (json.dumps(part) for part in (template.user, template.assistant, template.end))
+    user, assistant, end = (
+        json.dumps(part) for part in (template.user, template.assistant, template.end)
+    )
     # One tag per line; "-" trims the newlines between tags, so only the {{ ... }} output is rendered.
-    return "\n".join([
-        "{%- for message in messages -%}",
-        "{%- if message['role'] == 'user' -%}",
-        f"{{{{ {user} + message['content'] + \"\\n\" }}}}",
-        "{%- elif message['role'] == 'assistant' -%}",
-        f"{{{{ {assistant} + message['content'] + {end} }}}}",
-        "{%- else -%}",
-        "{{ raise_exception('message ' ~ loop.index0 ~ ': role ' ~ message['role']) }}",
-        "{%- endif -%}",
-        "{%- endfor -%}",
-        "{%- if add_generation_prompt -%}",
-        f"{{{{ {assistant} }}}}",
-        "{%- endif -%}",
-    ])
+    return "\n".join(
+        [
+            "{%- for message in messages -%}",
+            "{%- if message['role'] == 'user' -%}",
+            f"{{{{ {user} + message['content'] + \"\\n\" }}}}",
+            "{%- elif message['role'] == 'assistant' -%}",
+            f"{{{{ {assistant} + message['content'] + {end} }}}}",
+            "{%- else -%}",
+            "{{ raise_exception('message ' ~ loop.index0 ~ ': role ' ~ message['role']) }}",
+            "{%- endif -%}",
+            "{%- endfor -%}",
+            "{%- if add_generation_prompt -%}",
+            f"{{{{ {assistant} }}}}",
+            "{%- endif -%}",
+        ]
+    )
 
 
-def hf_tokenizer(tokenizer: Tokenizer, template: ChatTemplate = ChatTemplate()) -> PreTrainedTokenizerFast:
+def hf_tokenizer(
+    tokenizer: Tokenizer, template: ChatTemplate = ChatTemplate()
+) -> PreTrainedTokenizerFast:
     """Wrap a trained ``tokenizers.Tokenizer`` as a ``PreTrainedTokenizerFast`` with the book's chat template.
 
     The special tokens are the ones ``torchbook.tokenizer`` trains with; the
     ids are the same, since the wrapper calls the same Rust tokenizer.
     """
-    missing = [t for t in (END_OF_TEXT, USER, ASSISTANT, PAD) if tokenizer.token_to_id(t) is None]
+    missing = [
+        t
+        for t in (END_OF_TEXT, USER, ASSISTANT, PAD)
+        if tokenizer.token_to_id(t) is None
+    ]
     if missing:
-        raise ValueError(f"tokenizer lacks the special token(s) {missing}; train it with torchbook.tokenizer.train_bpe")
+        raise ValueError(
+            f"tokenizer lacks the special token(s) {missing}; train it with torchbook.tokenizer.train_bpe"
+        )
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=END_OF_TEXT,

@@ -8,7 +8,7 @@ resident and indexing a shuffled permutation makes an epoch a handful of
 tensor ops.
 
 Both read only the four published files in ``<root>/MNIST/raw`` (pass
-``torchbook.cache.mnist_root()``, which checks their SHA-256 first). Unlike
+``torchbook.download.mnist_root()``, which checks their SHA-256 first). Unlike
 ``torchvision.datasets.MNIST``, nothing here looks at ``MNIST/processed/``: a
 pickled ``training.pt`` found there has been verified by nobody, so it is
 never read. A raw file whose header or size is not MNIST's is refused with an
@@ -21,8 +21,8 @@ used in the book's DataLoader demonstrations.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -54,21 +54,29 @@ def read_idx(path: Path, expected_shape: tuple[int, ...]) -> torch.Tensor:
     """
     path = Path(path)
     if not path.is_file():
-        raise MnistFormatError(f"{path}: missing; expected the published MNIST file there")
+        raise MnistFormatError(
+            f"{path}: missing; expected the published MNIST file there"
+        )
     data = path.read_bytes()
     ndim = len(expected_shape)
     header_bytes = 4 + 4 * ndim
     if len(data) < header_bytes:
-        raise MnistFormatError(f"{path}: {len(data)} bytes, shorter than an IDX header of {header_bytes}")
+        raise MnistFormatError(
+            f"{path}: {len(data)} bytes, shorter than an IDX header of {header_bytes}"
+        )
     magic = data[:4]
     if magic != bytes([0, 0, IDX_UBYTE, ndim]):
         raise MnistFormatError(
             f"{path}: magic number {magic.hex()}, expected {bytes([0, 0, IDX_UBYTE, ndim]).hex()} "
             f"(unsigned bytes, {ndim} dimensions)"
         )
-    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    shape = tuple(
+        int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)
+    )
     if shape != expected_shape:
-        raise MnistFormatError(f"{path}: header says shape {shape}, expected {expected_shape}")
+        raise MnistFormatError(
+            f"{path}: header says shape {shape}, expected {expected_shape}"
+        )
     expected_bytes = header_bytes + int(np.prod(shape))
     if len(data) != expected_bytes:
         raise MnistFormatError(
@@ -86,7 +94,9 @@ def read_mnist(root: Path | str, train: bool) -> tuple[torch.Tensor, torch.Tenso
     images = read_idx(raw / images_name, (count, IMAGE_SIDE, IMAGE_SIDE))
     labels = read_idx(raw / labels_name, (count,)).long()
     if labels.max().item() >= NUM_CLASSES:
-        raise MnistFormatError(f"{raw / labels_name}: a label is {labels.max().item()}, expected 0-9")
+        raise MnistFormatError(
+            f"{raw / labels_name}: a label is {labels.max().item()}, expected 0-9"
+        )
     return images, labels
 
 
@@ -97,7 +107,9 @@ class MnistImages(Dataset):
     torchvision's class, for code that wants the tensors.
     """
 
-    def __init__(self, root: Path | str, train: bool, transform: Callable | None = None) -> None:
+    def __init__(
+        self, root: Path | str, train: bool, transform: Callable | None = None
+    ) -> None:
         self.data, self.targets = read_mnist(root, train)
         self.transform = transform
 
@@ -105,26 +117,36 @@ class MnistImages(Dataset):
         return len(self.data)
 
     def __getitem__(self, index: int):
-        image = Image.fromarray(self.data[index].numpy())  # uint8 (28, 28): a greyscale "L" image
+        # uint8 (28, 28): a greyscale "L" image
+        image = Image.fromarray(self.data[index].numpy())
         if self.transform is not None:
             image = self.transform(image)
         return image, int(self.targets[index])
 
 
-def mnist_dataset(root: Path | str, train: bool, transform: Callable | None = None) -> MnistImages:
+def mnist_dataset(
+    root: Path | str, train: bool, transform: Callable | None = None
+) -> MnistImages:
     """MNIST from the raw files under ``root`` (which holds ``MNIST/raw``); never downloads."""
     return MnistImages(root, train, transform)
 
 
-def resident_mnist(root: Path | str, train: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def resident_mnist(
+    root: Path | str, train: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """All images as normalized float32 ``(N, 1, 28, 28)`` and labels as int64 ``(N,)``, on ``device``."""
     images, labels = read_mnist(root, train)
-    images = (images.to(device=device, dtype=torch.float32).div_(255) - MNIST_MEAN) / MNIST_STD
+    images = (
+        images.to(device=device, dtype=torch.float32).div_(255) - MNIST_MEAN
+    ) / MNIST_STD
     return images.unsqueeze(1), labels.to(device)
 
 
 def resident_batches(
-    images: torch.Tensor, labels: torch.Tensor, batch_size: int, generator: torch.Generator | None = None,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    batch_size: int,
+    generator: torch.Generator | None = None,
     drop_last: bool = False,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """One shuffled epoch of ``(images, labels)`` batches by indexing.
@@ -132,7 +154,9 @@ def resident_batches(
     The last batch is smaller unless ``drop_last`` drops it (every step the
     same shape, which spares ``torch.compile`` a recompilation).
     """
-    order = torch.randperm(len(images), generator=generator, device="cpu").to(images.device)
+    order = torch.randperm(len(images), generator=generator, device="cpu").to(
+        images.device
+    )
     end = len(images) - len(images) % batch_size if drop_last else len(images)
     for start in range(0, end, batch_size):
         index = order[start : start + batch_size]

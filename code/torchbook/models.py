@@ -57,18 +57,24 @@ class GPTConfig:
     """Shape of a GPT. Every size is here; nothing is hidden in the layers."""
 
     vocab_size: int
-    block_size: int  # longest context; the causal mask buffer is (block_size, block_size)
+    block_size: (
+        int  # longest context; the causal mask buffer is (block_size, block_size)
+    )
     n_layer: int
     n_head: int
     d_model: int
     dropout: float = 0.0
-    activation_checkpointing: bool = False  # recompute each block in backward: memory for time
+    activation_checkpointing: bool = (
+        False  # recompute each block in backward: memory for time
+    )
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+                raise ValueError(
+                    f"GPTConfig.{name} must be a positive int, got {value!r}"
+                )
         if self.d_model % self.n_head != 0:
             raise ValueError(
                 f"GPTConfig.d_model={self.d_model} must be divisible by n_head={self.n_head}"
@@ -79,14 +85,18 @@ class GPTConfig:
                 "even, because RoPE rotates pairs of features"
             )
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+            raise ValueError(
+                f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}"
+            )
 
     @property
     def head_size(self) -> int:
         return self.d_model // self.n_head
 
 
-def rope_tables(head_size: int, block_size: int, base: float = ROPE_BASE) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_size: int, block_size: int, base: float = ROPE_BASE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine and sine tables, each (block_size, head_size), for rotary position embeddings.
 
     Feature pair i of position t is rotated by the angle t * base**(-2i/head_size).
@@ -115,7 +125,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
-def check_token_ids(ids: torch.Tensor, vocab_size: int, where: str = "token ids") -> None:
+def check_token_ids(
+    ids: torch.Tensor, vocab_size: int, where: str = "token ids"
+) -> None:
     """Raise ValueError naming the first id outside ``[0, vocab_size)``; ``where`` names the input.
 
     Call it on host tensors (a data pipeline's batch before ``.to(device)``):
@@ -135,8 +147,12 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, where: str = "token ids"
 
 
 def masked_softmax_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-    dropout_p: float = 0.0, training: bool = False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    dropout_p: float = 0.0,
+    training: bool = False,
 ) -> torch.Tensor:
     """Attention written out: softmax(q k^T / sqrt(d) with masked scores at -inf) v.
 
@@ -163,7 +179,11 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(B, T, d_model) -> (B, T, d_model).
 
@@ -178,7 +198,12 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout_p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, dropout_p=dropout_p
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=attn_mask is None,
+            dropout_p=dropout_p,
         )
         y = y.transpose(1, 2).reshape(batch, steps, width)  # heads back side by side
         return self.resid_dropout(self.proj(y))
@@ -190,7 +215,8 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(config.d_model, MLP_EXPANSION * config.d_model)
-        self.proj = nn.Linear(MLP_EXPANSION * config.d_model, config.d_model)  # a residual projection
+        # a residual projection
+        self.proj = nn.Linear(MLP_EXPANSION * config.d_model, config.d_model)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,7 +234,11 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Pre-norm: each sublayer reads a normalised copy of x and adds its output
         # back; the residual stream x itself is never normalised inside the block.
@@ -284,7 +314,9 @@ class GPT(nn.Module):
             nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=std)
 
     def forward(
-        self, idx: torch.Tensor, position_ids: torch.Tensor | None = None,
+        self,
+        idx: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, vocab_size) for token ids ``idx`` (B, T), T <= block_size.
@@ -294,27 +326,50 @@ class GPT(nn.Module):
         here: the training loop computes cross-entropy in float32 even under autocast.
         """
         block_size = self.config.block_size
-        if idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2 or idx.size(1) > block_size:
+        if (
+            idx.dtype not in (torch.int64, torch.int32)
+            or idx.dim() != 2
+            or idx.size(1) > block_size
+        ):
             raise ValueError(
                 f"GPT.forward: idx must be int64 or int32 token ids of shape (batch, time) with time <= "
                 f"block_size={block_size}, got {idx.dtype} of shape {tuple(idx.shape)}"
             )
-        for name, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
+        for name, ids in (
+            ("position_ids", position_ids),
+            ("document_ids", document_ids),
+        ):
             if ids is not None and ids.shape != idx.shape:
-                raise ValueError(f"GPT.forward: {name} must have idx's shape {tuple(idx.shape)}, "
-                                 f"got {tuple(ids.shape)}")
+                raise ValueError(
+                    f"GPT.forward: {name} must have idx's shape {tuple(idx.shape)}, "
+                    f"got {tuple(ids.shape)}"
+                )
         # Only on the CPU, where reading the ids costs no device sync; under
         # torch.compile the generated kernel checks its own indices.
         if idx.device.type == "cpu" and not torch.compiler.is_compiling():
             check_token_ids(idx, self.config.vocab_size, where="GPT.forward: idx")
         if position_ids is None:
-            cos, sin = self.rope_cos[: idx.size(1)], self.rope_sin[: idx.size(1)]  # positions 0..T-1
+            # positions 0..T-1
+            cos, sin = (
+                self.rope_cos[: idx.size(1)],
+                self.rope_sin[: idx.size(1)],
+            )
         else:  # each token's own position; (B, 1, T, head_size) broadcasts over the heads
-            cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)
-        attn_mask = None if document_ids is None else self.document_causal_mask(document_ids)
-        recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
+            cos, sin = (
+                self.rope_cos[position_ids].unsqueeze(1),
+                self.rope_sin[position_ids].unsqueeze(1),
+            )
+        attn_mask = (
+            None if document_ids is None else self.document_causal_mask(document_ids)
+        )
+        recompute = (
+            self.config.activation_checkpointing
+            and self.training
+            and torch.is_grad_enabled()
+        )
 
-        x = self.dropout(self.token_embedding(idx))  # (B, T, d_model), no position embedding
+        # (B, T, d_model), no position embedding
+        x = self.dropout(self.token_embedding(idx))
         for block in self.blocks:
             if recompute:  # keep only the block's inputs; rerun it during backward
                 x = checkpoint(block, x, cos, sin, attn_mask, use_reentrant=False)
@@ -336,8 +391,12 @@ class GPT(nn.Module):
 
     @torch.inference_mode()
     def generate(
-        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-        top_k: int | None = None, generator: torch.Generator | None = None,
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T); returns (B, T + max_new_tokens).
 
@@ -349,28 +408,38 @@ class GPT(nn.Module):
         it is: call ``model.eval()`` first so dropout is off.
         """
         if max_new_tokens < 0:
-            raise ValueError(f"GPT.generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+            raise ValueError(
+                f"GPT.generate: max_new_tokens must be >= 0, got {max_new_tokens}"
+            )
         if temperature <= 0:
-            raise ValueError(f"GPT.generate: temperature must be > 0, got {temperature}")
+            raise ValueError(
+                f"GPT.generate: temperature must be > 0, got {temperature}"
+            )
         if top_k is not None and top_k < 1:
             raise ValueError(f"GPT.generate: top_k must be >= 1 or None, got {top_k}")
         sample_device = generator.device if generator is not None else idx.device
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size:]
+            context = idx[:, -self.config.block_size :]
             logits = self(context)[:, -1, :].float() / temperature
             if top_k is not None:
-                kth_largest = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+                kth_largest = torch.topk(
+                    logits, min(top_k, logits.size(-1)), dim=-1
+                ).values[:, -1:]
                 logits = logits.masked_fill(logits < kth_largest, float("-inf"))
             probs = logits.softmax(dim=-1).to(sample_device)
             next_token = torch.multinomial(probs, num_samples=1, generator=generator)
-            idx = torch.cat((idx, next_token.to(device=idx.device, dtype=idx.dtype)), dim=1)
+            idx = torch.cat(
+                (idx, next_token.to(device=idx.device, dtype=idx.dtype)), dim=1
+            )
         return idx
 
 
 class TinyMLP(nn.Module):
     """The tutorial version of a small MLP: Linear -> GELU -> Linear, one logit per class."""
 
-    def __init__(self, in_features: int = 64, hidden: int = 256, out_features: int = 10) -> None:
+    def __init__(
+        self, in_features: int = 64, hidden: int = 256, out_features: int = 10
+    ) -> None:
         super().__init__()
         self.fc1 = nn.Linear(in_features, hidden)
         self.act = nn.GELU()
@@ -386,4 +455,6 @@ def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
     ``model.parameters()`` yields each Parameter object once, so a tied weight
     (the GPT's embedding and head) is counted once, as it is stored and trained once.
     """
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+    return sum(
+        p.numel() for p in model.parameters() if p.requires_grad or not trainable_only
+    )

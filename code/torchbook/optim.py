@@ -44,12 +44,21 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         name = type(self).__name__
         if not isinstance(self.max_steps, int) or self.max_steps < 1:
-            raise ValueError(f"{name}.max_steps must be a positive int, got {self.max_steps!r}")
-        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps <= self.max_steps:
-            raise ValueError(f"{name}.warmup_steps must be an int in [0, max_steps={self.max_steps}], "
-                             f"got {self.warmup_steps!r}")
+            raise ValueError(
+                f"{name}.max_steps must be a positive int, got {self.max_steps!r}"
+            )
+        if (
+            not isinstance(self.warmup_steps, int)
+            or not 0 <= self.warmup_steps <= self.max_steps
+        ):
+            raise ValueError(
+                f"{name}.warmup_steps must be an int in [0, max_steps={self.max_steps}], "
+                f"got {self.warmup_steps!r}"
+            )
         if not 0 <= self.min_lr <= self.lr or self.lr <= 0:
-            raise ValueError(f"{name} needs 0 <= min_lr <= lr and lr > 0, got min_lr={self.min_lr}, lr={self.lr}")
+            raise ValueError(
+                f"{name} needs 0 <= min_lr <= lr and lr > 0, got min_lr={self.min_lr}, lr={self.lr}"
+            )
 
 
 def learning_rate(step: int, config: OptimizerConfig) -> float:
@@ -63,8 +72,12 @@ def learning_rate(step: int, config: OptimizerConfig) -> float:
         return config.lr * (step + 1) / config.warmup_steps
     if step >= config.max_steps:
         return config.min_lr
-    progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
-    return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - config.min_lr)
+    progress = (step - config.warmup_steps) / max(
+        1, config.max_steps - config.warmup_steps
+    )
+    return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (
+        config.lr - config.min_lr
+    )
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -76,21 +89,31 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """
     trainable = [p for _, p in model.named_parameters() if p.requires_grad]
     return [
-        {"params": [p for p in trainable if p.dim() >= 2], "weight_decay": weight_decay},
+        {
+            "params": [p for p in trainable if p.dim() >= 2],
+            "weight_decay": weight_decay,
+        },
         {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0},
     ]
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, config: OptimizerConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def build_schedule(
+    optimizer: torch.optim.Optimizer, config: OptimizerConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup + cosine (``learning_rate``) as a ``LambdaLR``: each group's lr times ``learning_rate / config.lr``."""
-    def lr_factor(step: int) -> float:  # LambdaLR multiplies each group's base lr by this
+
+    # LambdaLR multiplies each group's base lr by this
+    def lr_factor(
+        step: int,
+    ) -> float:
         return learning_rate(step, config) / config.lr
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig, device: torch.device | None = None
-                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def build_optimizer(
+    model: nn.Module, config: OptimizerConfig, device: torch.device | None = None
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """The book's AdamW (decay and no-decay groups) and its warmup + cosine schedule.
 
     ``fused=True`` (one kernel for all parameters, not several per operation) where
@@ -101,13 +124,20 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig, device: torch.dev
     parameters = [p for group in groups for p in group["params"]]
     if device is None:
         device = parameters[0].device if parameters else torch.device("cpu")
-    fused = torch.device(device).type in FUSED_DEVICE_TYPES and all(p.is_floating_point() for p in parameters)
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, fused=fused or None)
+    fused = torch.device(device).type in FUSED_DEVICE_TYPES and all(
+        p.is_floating_point() for p in parameters
+    )
+    optimizer = torch.optim.AdamW(
+        groups, lr=config.lr, betas=config.betas, fused=fused or None
+    )
     return optimizer, build_schedule(optimizer, config)
 
 
-def apply_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
-                 config: OptimizerConfig) -> None:
+def apply_config(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    config: OptimizerConfig,
+) -> None:
     """Set a loaded ``build_optimizer`` pair to ``config``, as if built with it and stepped ``last_epoch`` times.
 
     A loaded ``LambdaLR`` keeps the saved base rates while its factor comes from
@@ -115,14 +145,19 @@ def apply_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_sch
     config)``. With the config the state was saved with, every value is the
     loaded one, bit for bit.
     """
-    for group, decay in zip(optimizer.param_groups, (config.weight_decay, 0.0)):
+    for group, decay in zip(
+        optimizer.param_groups, (config.weight_decay, 0.0), strict=True
+    ):
         group["initial_lr"] = config.lr
         group["betas"] = tuple(config.betas)
         group["weight_decay"] = decay
     scheduler.base_lrs = [config.lr for _ in optimizer.param_groups]
     # LambdaLR's own formula at last_epoch, so the schedule's next steps continue from it.
-    rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, rate in zip(optimizer.param_groups, rates):
+    rates = [
+        base * factor(scheduler.last_epoch)
+        for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    ]
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
         group["lr"] = rate
     scheduler._last_lr = rates
 
@@ -135,7 +170,9 @@ IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 STATE_SWITCHES = ("amsgrad",)
 
 
-def optimizer_layout_problems(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> list[str]:
+def optimizer_layout_problems(
+    saved: Mapping[str, Any], optimizer: torch.optim.Optimizer
+) -> list[str]:
     """Where a saved ``optimizer.state_dict()`` has another layout than ``optimizer``; empty when it fits.
 
     The layout: the number of groups and of parameters in each, the
@@ -146,30 +183,56 @@ def optimizer_layout_problems(saved: Mapping[str, Any], optimizer: torch.optim.O
     if not isinstance(groups, list) or not isinstance(saved.get("state"), Mapping):
         return ["optimizer: expected a dict with 'state' and a list of 'param_groups'"]
     if len(groups) != len(optimizer.param_groups):
-        return [f"optimizer: {len(groups)} parameter groups in the state, {len(optimizer.param_groups)} here"]
+        return [
+            f"optimizer: {len(groups)} parameter groups in the state, {len(optimizer.param_groups)} here"
+        ]
     problems, shapes = [], {}
-    for number, (group, live) in enumerate(zip(groups, optimizer.param_groups)):
+    for number, (group, live) in enumerate(
+        zip(groups, optimizer.param_groups, strict=True)
+    ):
         if len(group["params"]) != len(live["params"]):
-            problems.append(f"optimizer group {number}: {len(group['params'])} parameters in the state, "
-                            f"{len(live['params'])} here")
-        problems += [f"optimizer group {number}: {switch}={group.get(switch)} in the state, {live[switch]} here"
-                     for switch in STATE_SWITCHES if switch in live and group.get(switch) != live[switch]]
-        shapes.update(zip(group["params"], (parameter.shape for parameter in live["params"])))
+            problems.append(
+                f"optimizer group {number}: {len(group['params'])} parameters in the state, "
+                f"{len(live['params'])} here"
+            )
+        problems += [
+            f"optimizer group {number}: {switch}={group.get(switch)} in the state, {live[switch]} here"
+            for switch in STATE_SWITCHES
+            if switch in live and group.get(switch) != live[switch]
+        ]
+        shapes.update(
+            zip(
+                group["params"],
+                (parameter.shape for parameter in live["params"]),
+                strict=False,  # a group of another size is reported above
+            )
+        )
     for index, entry in saved["state"].items():
-        problems += [f"optimizer state of parameter {index}: {name!r} has shape {tuple(value.shape)}, "
-                     f"the parameter {tuple(shapes[index])}" for name, value in entry.items()
-                     if index in shapes and isinstance(value, Tensor) and value.dim() > 0
-                     and value.shape != shapes[index]]
+        problems += [
+            f"optimizer state of parameter {index}: {name!r} has shape {tuple(value.shape)}, "
+            f"the parameter {tuple(shapes[index])}"
+            for name, value in entry.items()
+            if index in shapes
+            and isinstance(value, Tensor)
+            and value.dim() > 0
+            and value.shape != shapes[index]
+        ]
     return problems
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
+) -> None:
     """``optimizer.load_state_dict(saved)``, keeping this optimizer's ``IMPLEMENTATION_FLAGS``.
 
     Torch takes every group setting from the file, so a state saved without the
     fused kernel (``fused=None``) would turn a fused optimizer into one that
     fails at its next step under a loss scaler; the flags stay this machine's.
     """
-    groups = [{**group, **{flag: now[flag] for flag in IMPLEMENTATION_FLAGS if flag in now}}
-              for group, now in zip(saved["param_groups"], optimizer.param_groups)]
+    groups = [
+        {**group, **{flag: now[flag] for flag in IMPLEMENTATION_FLAGS if flag in now}}
+        for group, now in zip(
+            saved["param_groups"], optimizer.param_groups, strict=True
+        )
+    ]
     optimizer.load_state_dict({**saved, "param_groups": groups})

@@ -57,14 +57,29 @@ def plot_history(
                 continue
             name = KEY_LABELS.get(key, key)
             label = name if len(histories) == 1 else f"{run}: {name}"
-            colour = colours[(key_index if len(histories) == 1 else run_index) % len(colours)]
-            ax.plot([row["step"] for row in rows], [row[key] for row in rows], label=label,
-                    color=colour, **LINE_STYLES.get(key, {"linewidth": 1.2}))
+            colour = colours[
+                (key_index if len(histories) == 1 else run_index) % len(colours)
+            ]
+            ax.plot(
+                [row["step"] for row in rows],
+                [row[key] for row in rows],
+                label=label,
+                color=colour,
+                **LINE_STYLES.get(key, {"linewidth": 1.2}),
+            )
     for label, value in (reference_lines or {}).items():
         ax.axhline(value, linestyle="--", linewidth=1.0, color="grey")
-        ax.annotate(label, xy=(1.0, value), xycoords=("axes fraction", "data"),
-                    xytext=(-4, -3), textcoords="offset points", ha="right", va="top",
-                    color="grey", fontsize="small")
+        ax.annotate(
+            label,
+            xy=(1.0, value),
+            xycoords=("axes fraction", "data"),
+            xytext=(-4, -3),
+            textcoords="offset points",
+            ha="right",
+            va="top",
+            color="grey",
+            fontsize="small",
+        )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
     if title:
@@ -96,40 +111,58 @@ def plot_diagnostics(
     plots, for example a loss curve in the same figure.
     """
     if not history:
-        raise ValueError("plot_diagnostics: history is empty; train at least log_every steps first")
+        raise ValueError(
+            "plot_diagnostics: history is empty; train at least log_every steps first"
+        )
     if axes is None:
-        figure, axes = plt.subplots(1, len(DIAGNOSTIC_PANELS), figsize=(10, 3), layout="constrained")
+        figure, axes = plt.subplots(
+            1, len(DIAGNOSTIC_PANELS), figsize=(10, 3), layout="constrained"
+        )
     elif len(axes) != len(DIAGNOSTIC_PANELS):
         raise ValueError(
             f"plot_diagnostics: axes must hold {len(DIAGNOSTIC_PANELS)} axes "
             f"(learning rate, gradient norm, tokens per second), got {len(axes)}"
         )
     figure = axes[0].figure
-    for ax, (key, label, log_scale) in zip(axes, DIAGNOSTIC_PANELS):
+    for ax, (key, label, log_scale) in zip(axes, DIAGNOSTIC_PANELS, strict=True):
         rows = [row for row in history if key in row]
-        ax.plot([row["step"] for row in rows], [row[key] for row in rows], linewidth=1.2)
+        ax.plot(
+            [row["step"] for row in rows], [row[key] for row in rows], linewidth=1.2
+        )
         if log_scale:
             ax.set_yscale("log")
             # Plain numbers (0.5, 2) rather than 5x10^-1: a norm rarely spans many decades.
             ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
-            ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+            ax.yaxis.set_minor_formatter(
+                LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5))
+            )
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     if max_grad_norm is not None:
         norm_ax = axes[[key for key, _, _ in DIAGNOSTIC_PANELS].index("grad_norm")]
         norm_ax.axhline(max_grad_norm, linestyle="--", linewidth=1.0, color="grey")
-        norm_ax.annotate(f"clip threshold {max_grad_norm:g}", xy=(1.0, max_grad_norm),
-                         xycoords=("axes fraction", "data"), xytext=(-4, 3), textcoords="offset points",
-                         ha="right", va="bottom", color="grey", fontsize="small")
+        norm_ax.annotate(
+            f"clip threshold {max_grad_norm:g}",
+            xy=(1.0, max_grad_norm),
+            xycoords=("axes fraction", "data"),
+            xytext=(-4, 3),
+            textcoords="offset points",
+            ha="right",
+            va="bottom",
+            color="grey",
+            fontsize="small",
+        )
     if title:
         figure.suptitle(title)
     return figure
 
 
 def plot_memory_by_kind(
-    seq_lens: Sequence[int], predicted: Mapping[str, Sequence[float]],
-    measured: Mapping[str, Sequence[float]] | None = None, ax: Axes | None = None,
+    seq_lens: Sequence[int],
+    predicted: Mapping[str, Sequence[float]],
+    measured: Mapping[str, Sequence[float]] | None = None,
+    ax: Axes | None = None,
 ) -> Axes:
     """Stacked bars of predicted training memory (MB) per kind against sequence length.
 
@@ -144,11 +177,22 @@ def plot_memory_by_kind(
     bottom = [0.0] * len(seq_lens)
     for kind, values in predicted.items():
         heights = [value / 1e6 for value in values]
-        ax.bar(positions, heights, bottom=bottom, width=0.6, label=f"{kind} (predicted)")
-        bottom = [b + h for b, h in zip(bottom, heights)]
-    for (label, values), marker in zip((measured or {}).items(), ("o", "D", "s")):
-        ax.plot(positions, [value / 1e6 for value in values], marker, color="black", markersize=6,
-                markerfacecolor="white", label=label)
+        ax.bar(
+            positions, heights, bottom=bottom, width=0.6, label=f"{kind} (predicted)"
+        )
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    for (label, values), marker in zip(
+        (measured or {}).items(), ("o", "D", "s"), strict=True
+    ):
+        ax.plot(
+            positions,
+            [value / 1e6 for value in values],
+            marker,
+            color="black",
+            markersize=6,
+            markerfacecolor="white",
+            label=label,
+        )
     ax.set_xticks(list(positions), [f"{steps:,}" for steps in seq_lens])
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("memory (MB)")

@@ -18,12 +18,10 @@ from typing import Any
 
 import torch
 
+from torchbook.device import AUTOCAST_DTYPES, accelerator
+
 PROFILE_VARIABLE = "QUARTO_PROFILE"
 PROFILE_NAMES = ("cpu", "gpu")
-
-# The one spelling of a run's precision: the dtype its forward pass autocasts to.
-# "fp32" means no autocast; it is listed so every precision has a dtype.
-AUTOCAST_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ProfileError(RuntimeError):
@@ -37,7 +35,10 @@ def size(cpu: Any, gpu: Any) -> Any:
 
 def gpu_sizes(sizes: Any) -> Any:
     """``sizes`` with every field declared by ``size()`` set to its gpu value."""
-    return replace(sizes, **{f.name: f.metadata["gpu"] for f in fields(sizes) if "gpu" in f.metadata})
+    return replace(
+        sizes,
+        **{f.name: f.metadata["gpu"] for f in fields(sizes) if "gpu" in f.metadata},
+    )
 
 
 # Run sizes, one dataclass per chapter. A field declared with size(cpu=..., gpu=...)
@@ -60,9 +61,11 @@ class LanguageModelSizes:
     n_head: int = size(cpu=4, gpu=6)
     d_model: int = size(cpu=96, gpu=384)
     dropout: float = size(cpu=0.0, gpu=0.2)
-    batch_size: int = size(cpu=32, gpu=64)  # blocks per optimizer step (accum_steps = 1)
+    # blocks per optimizer step (accum_steps = 1)
+    batch_size: int = size(cpu=32, gpu=64)
     max_steps: int = size(cpu=300, gpu=5000)
-    lr: float = size(cpu=3e-3, gpu=0.001)  # a small model tolerates a large peak learning rate
+    # a small model tolerates a large peak learning rate
+    lr: float = size(cpu=3e-3, gpu=0.001)
     min_lr: float = size(cpu=3e-4, gpu=0.0001)
     warmup_steps: int = size(cpu=30, gpu=100)
     eval_every: int = size(cpu=100, gpu=250)
@@ -77,13 +80,16 @@ class LanguageModelSizes:
 class DataSizes:
     """Chapter 4: token shards, streaming and DataLoader measurements."""
 
-    vocab_size: int = size(cpu=2048, gpu=8192)  # byte-level BPE trained on Tiny Shakespeare
+    # byte-level BPE trained on Tiny Shakespeare
+    vocab_size: int = size(cpu=2048, gpu=8192)
     tokens_per_shard: int = 100_000  # small, so Tiny Shakespeare makes several shards
     block_size: int = size(cpu=256, gpu=1024)
     batch_size: int = size(cpu=32, gpu=64)
     num_workers: int = size(cpu=2, gpu=4)
-    timed_batches: int = size(cpu=200, gpu=1000)  # batches timed per streaming measurement
-    tutorial_timed_batches: int = size(cpu=30, gpu=100)  # the tutorial TokenDataset is slow; fewer batches give a stable rate
+    # batches timed per streaming measurement
+    timed_batches: int = size(cpu=200, gpu=1000)
+    # the tutorial TokenDataset is slow; fewer batches give a stable rate
+    tutorial_timed_batches: int = size(cpu=30, gpu=100)
     chat_records: int = 200  # local chat records built from Tiny Shakespeare
     chat_batch_size: int = 8
     chat_block_size: int = 128
@@ -108,7 +114,8 @@ class CheckpointSizes:
     accum_steps: int = 2
     steps: int = size(cpu=24, gpu=60)  # optimizer steps of the whole run
     save_every: int = size(cpu=6, gpu=10)  # a checkpoint every this many steps
-    kill_after_checkpoint: int = size(cpu=2, gpu=3)  # the run is SIGKILLed once this checkpoint is durable
+    # the run is SIGKILLed once this checkpoint is durable
+    kill_after_checkpoint: int = size(cpu=2, gpu=3)
     keep_last: int = 2  # checkpoints kept on disk
     # The model used to show safetensors, sharding, meta-device loading and mmap.
     demo_n_layer: int = size(cpu=4, gpu=12)
@@ -116,7 +123,8 @@ class CheckpointSizes:
     demo_n_head: int = size(cpu=4, gpu=12)
     demo_vocab_size: int = size(cpu=4096, gpu=50304)
     demo_block_size: int = size(cpu=256, gpu=1024)
-    shard_bytes: int = size(cpu=2_000_000, gpu=100_000_000)  # largest safetensors shard in the sharding demonstration
+    # largest safetensors shard in the sharding demonstration
+    shard_bytes: int = size(cpu=2_000_000, gpu=100_000_000)
 
 
 @dataclass(frozen=True)
@@ -135,8 +143,12 @@ class PitfallSizes:
     clip_steps: int = 30  # SGD steps of the clipping demonstration
     spike_step: int = 10  # the step whose batch carries the outlier
     spike_scale: float = 30.0  # the outlier batch's inputs are this many times larger
-    clip_lr: float = 0.05  # high for this problem: one outlier step throws the weights far
-    max_grad_norm: float = 20.0  # above every ordinary step's norm, far below the outlier's
+    clip_lr: float = (
+        0.05  # high for this problem: one outlier step throws the weights far
+    )
+    max_grad_norm: float = (
+        20.0  # above every ordinary step's norm, far below the outlier's
+    )
     curve_steps: int = 60  # optimizer steps of each pitfall's training curve
     sgd_lr: float = 0.02  # the zero_grad curve: SGD converges at this rate only with gradients cleared
     adam_lr: float = 0.05  # AdamW in the train/eval-mode and stale-state curves
@@ -161,8 +173,11 @@ class LabSizes:
     micro_batch_size: int = 32  # drill 4: accum_steps micro-batches of this size
     accum_steps: int = 4
     equivalence_steps: int = 20  # drill 4: optimizer steps compared update by update
-    smoothing_steps: int = 50  # drill 3: the loss curves' moving mean, in optimizer steps
-    loader_batches: int = size(cpu=30, gpu=50)  # batches timed per DataLoader measurement
+    smoothing_steps: int = (
+        50  # drill 3: the loss curves' moving mean, in optimizer steps
+    )
+    # batches timed per DataLoader measurement
+    loader_batches: int = size(cpu=30, gpu=50)
     slow_item_s: float = 0.0005  # per-image delay of the starved-loader demonstration
     loader_workers: int = 2
 
@@ -188,14 +203,17 @@ class DeviceSizes:
     check_steps: int = 4  # AdamW steps compared between DDP, one process and FSDP2
     lr: float = 3e-3
     launch_timeout_s: float = 240.0  # a torchrun job that takes longer is killed
-    minimal_text_bytes: int = 300_000  # the start of Tiny Shakespeare that examples/ddp_minimal.py trains on
+    minimal_text_bytes: int = (
+        300_000  # the start of Tiny Shakespeare that examples/ddp_minimal.py trains on
+    )
     # torch.compile: a small GPT, timed step by step, eager against compiled.
     compile_n_layer: int = size(cpu=1, gpu=6)
     compile_d_model: int = size(cpu=64, gpu=384)
     compile_block_size: int = size(cpu=64, gpu=256)
     compile_batch_size: int = size(cpu=8, gpu=32)
     timed_steps: int = size(cpu=20, gpu=50)
-    matmul_size: int = size(cpu=512, gpu=8192)  # the square matmul of the TF32 comparison
+    # the square matmul of the TF32 comparison
+    matmul_size: int = size(cpu=512, gpu=8192)
 
 
 @dataclass(frozen=True)
@@ -211,9 +229,13 @@ class MemorySizes:
     n_head: int = size(cpu=4, gpu=12)
     d_model: int = size(cpu=128, gpu=768)
     batch_size: int = size(cpu=4, gpu=8)  # rows per step
-    seq_lens: tuple[int, ...] = size(cpu=(64, 128, 256, 512), gpu=(256, 512, 1024, 2048))  # contexts compared
+    # contexts compared
+    seq_lens: tuple[int, ...] = size(
+        cpu=(64, 128, 256, 512), gpu=(256, 512, 1024, 2048)
+    )
     timed_steps: int = size(cpu=3, gpu=20)  # training steps timed for tokens per second
-    matmul_size: int = size(cpu=1024, gpu=8192)  # square matmul whose measured rate is the peak for MFU
+    # square matmul whose measured rate is the peak for MFU
+    matmul_size: int = size(cpu=1024, gpu=8192)
 
 
 @dataclass(frozen=True)
@@ -253,24 +275,6 @@ def parse_profile(value: str | None) -> str:
     return chosen[0] if chosen else "cpu"
 
 
-def accelerator() -> torch.device | None:
-    """The accelerator this machine has (CUDA first, then MPS), or None."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        return torch.device("mps")
-    return None
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait until ``device`` has finished its queued work, so a timer reads the work and not its launch."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
 def gpu_profile(device: torch.device) -> Profile:
     """The gpu profile's sizes and precision on ``device``.
 
@@ -279,9 +283,18 @@ def gpu_profile(device: torch.device) -> Profile:
     full sizes everywhere up to the device.
     """
     cpu = make_profile("cpu")
-    return Profile(name="gpu", device=device, precision="bf16", lm=gpu_sizes(cpu.lm), data=gpu_sizes(cpu.data),
-                   checkpoint=gpu_sizes(cpu.checkpoint), pitfalls=gpu_sizes(cpu.pitfalls), lab=gpu_sizes(cpu.lab),
-                   devices=gpu_sizes(cpu.devices), memory=gpu_sizes(cpu.memory))
+    return Profile(
+        name="gpu",
+        device=device,
+        precision="bf16",
+        lm=gpu_sizes(cpu.lm),
+        data=gpu_sizes(cpu.data),
+        checkpoint=gpu_sizes(cpu.checkpoint),
+        pitfalls=gpu_sizes(cpu.pitfalls),
+        lab=gpu_sizes(cpu.lab),
+        devices=gpu_sizes(cpu.devices),
+        memory=gpu_sizes(cpu.memory),
+    )
 
 
 def make_profile(name: str) -> Profile:

@@ -62,7 +62,8 @@ class RunResult:
     run: str
     profile: str
     metrics: dict[str, float]
-    history: dict[str, dict[str, list[float]]]  # series -> column -> values, e.g. history["val"]["loss"]
+    # series -> column -> values, e.g. history["val"]["loss"]
+    history: dict[str, dict[str, list[float]]]
     provenance: dict[str, Any]
     dry_run: bool = False  # True: full sizes run for a few steps on the CPU, to test the path; not results
 
@@ -84,7 +85,9 @@ def source_hashes(root: str | Path, sources: Iterable[str]) -> dict[str, str]:
     for name in sorted(sources):
         path = root / name
         if not path.is_file():
-            raise ResultsError(f"{path}: a run depends on this source file, and it does not exist")
+            raise ResultsError(
+                f"{path}: a run depends on this source file, and it does not exist"
+            )
         hashes[name] = sha256_of_file(path)
     return hashes
 
@@ -92,7 +95,13 @@ def source_hashes(root: str | Path, sources: Iterable[str]) -> dict[str, str]:
 def git_commit(root: str | Path) -> str:
     """The checked-out commit of the repository at ``root``, or "" when there is none."""
     try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return ""
     return done.stdout.strip() if done.returncode == 0 else ""
@@ -102,14 +111,19 @@ def describe_device(device: torch.device) -> tuple[str, str, str]:
     """(device name, compute capability, CUDA version) as strings for the provenance record."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        return torch.cuda.get_device_name(device), f"{major}.{minor}", torch.version.cuda or ""
+        return (
+            torch.cuda.get_device_name(device),
+            f"{major}.{minor}",
+            torch.version.cuda or "",
+        )
     if device.type == "mps":
         return f"Apple MPS ({platform.machine()})", "", ""
     return f"CPU {platform.machine()} ({torch.get_num_threads()} threads)", "", ""
 
 
-def make_provenance(device: torch.device, root: str | Path, sources: Iterable[str],
-                    wall_seconds: float) -> dict[str, Any]:
+def make_provenance(
+    device: torch.device, root: str | Path, sources: Iterable[str], wall_seconds: float
+) -> dict[str, Any]:
     """The provenance record of a run made now, on ``device``, from the sources below ``root``."""
     name, capability, cuda = describe_device(torch.device(device))
     return {
@@ -119,16 +133,22 @@ def make_provenance(device: torch.device, root: str | Path, sources: Iterable[st
         "cuda_version": cuda,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit(root),
         "wall_seconds": float(wall_seconds),
         "sources": source_hashes(root, sources),
     }
 
 
-def write_result(path: str | Path, run: str, profile: str, metrics: Mapping[str, float],
-                 history: Mapping[str, Mapping[str, Iterable[float]]], provenance: Mapping[str, Any],
-                 dry_run: bool = False) -> Path:
+def write_result(
+    path: str | Path,
+    run: str,
+    profile: str,
+    metrics: Mapping[str, float],
+    history: Mapping[str, Mapping[str, Iterable[float]]],
+    provenance: Mapping[str, Any],
+    dry_run: bool = False,
+) -> Path:
     """Write one run's results atomically as JSON, after checking they would read back.
 
     ``history`` maps a series name ("train", "val", "adamw", ...) to its columns
@@ -142,14 +162,25 @@ def write_result(path: str | Path, run: str, profile: str, metrics: Mapping[str,
         "run": run,
         "profile": profile,
         "metrics": {key: _as_float(value) for key, value in metrics.items()},
-        "history": {series: {key: [_as_float(value) for value in values]
-                             if isinstance(values, Iterable) and not isinstance(values, (str, bytes, Mapping)) else values for key, values in columns.items()} if isinstance(columns, Mapping)
-                    else columns for series, columns in history.items()},
+        "history": {
+            series: {
+                key: [_as_float(value) for value in values]
+                if isinstance(values, Iterable)
+                and not isinstance(values, (str, bytes, Mapping))
+                else values
+                for key, values in columns.items()
+            }
+            if isinstance(columns, Mapping)
+            else columns
+            for series, columns in history.items()
+        },
         "provenance": dict(provenance),
         "dry_run": dry_run,
     }
     _validate(document, path)  # refuse to write what read_result would refuse
-    return atomic_write_text(path, json.dumps(document, indent=1, allow_nan=False) + "\n")
+    return atomic_write_text(
+        path, json.dumps(document, indent=1, allow_nan=False) + "\n"
+    )
 
 
 def _as_float(value: Any) -> Any:
@@ -165,61 +196,98 @@ def _as_float(value: Any) -> Any:
 def _is_finite_number(value: Any) -> bool:
     """True for an int or float that a float can hold: 1e400 (inf) and a 400-digit int are not."""
     try:
-        return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        return (
+            not isinstance(value, bool)
+            and isinstance(value, (int, float))
+            and math.isfinite(value)
+        )
     except OverflowError:  # an int too large for a float
         return False
 
 
 def _numbers(value: Any, where: str, path: Path) -> None:
     if not _is_finite_number(value):
-        raise ResultsError(f"{path}: {where} must be a finite number, got {value!r:.80}")
+        raise ResultsError(
+            f"{path}: {where} must be a finite number, got {value!r:.80}"
+        )
 
 
 def _validate(document: Any, path: Path) -> None:
     """Raise ResultsError unless ``document`` is a complete results record."""
     if not isinstance(document, dict):
-        raise ResultsError(f"{path}: expected a JSON object, got {type(document).__name__}")
+        raise ResultsError(
+            f"{path}: expected a JSON object, got {type(document).__name__}"
+        )
     if document.get("format") != RESULTS_FORMAT:
-        raise ResultsError(f"{path}: 'format' is {document.get('format')!r}, expected {RESULTS_FORMAT!r}; "
-                           "not a results file of this book")
+        raise ResultsError(
+            f"{path}: 'format' is {document.get('format')!r}, expected {RESULTS_FORMAT!r}; "
+            "not a results file of this book"
+        )
     if document.get("version") != RESULTS_VERSION:
-        raise ResultsError(f"{path}: 'version' is {document.get('version')!r}, expected {RESULTS_VERSION}")
+        raise ResultsError(
+            f"{path}: 'version' is {document.get('version')!r}, expected {RESULTS_VERSION}"
+        )
     for key in ("run", "profile"):
         if not isinstance(document.get(key), str) or not document[key]:
-            raise ResultsError(f"{path}: {key!r} must be a non-empty string, got {document.get(key)!r}")
+            raise ResultsError(
+                f"{path}: {key!r} must be a non-empty string, got {document.get(key)!r}"
+            )
     metrics, history = document.get("metrics"), document.get("history")
     if not isinstance(metrics, dict):
-        raise ResultsError(f"{path}: 'metrics' must be an object, got {type(metrics).__name__}")
+        raise ResultsError(
+            f"{path}: 'metrics' must be an object, got {type(metrics).__name__}"
+        )
     for key, value in metrics.items():
         _numbers(value, f"metrics[{key!r}]", path)
     if not isinstance(history, dict):
-        raise ResultsError(f"{path}: 'history' must be an object of series, got {type(history).__name__}")
+        raise ResultsError(
+            f"{path}: 'history' must be an object of series, got {type(history).__name__}"
+        )
     for series, columns in history.items():
         if not isinstance(columns, dict) or not columns:
-            raise ResultsError(f"{path}: history[{series!r}] must be a non-empty object of columns")
+            raise ResultsError(
+                f"{path}: history[{series!r}] must be a non-empty object of columns"
+            )
         lengths = set()
         for key, values in columns.items():
             if not isinstance(values, list):
-                raise ResultsError(f"{path}: history[{series!r}][{key!r}] must be a list, "
-                                   f"got {type(values).__name__}")
+                raise ResultsError(
+                    f"{path}: history[{series!r}][{key!r}] must be a list, "
+                    f"got {type(values).__name__}"
+                )
             for index, value in enumerate(values):
                 _numbers(value, f"history[{series!r}][{key!r}][{index}]", path)
             lengths.add(len(values))
         if len(lengths) > 1:
-            raise ResultsError(f"{path}: the columns of history[{series!r}] have different lengths "
-                               f"{sorted(lengths)}; each column must hold one value per row")
+            raise ResultsError(
+                f"{path}: the columns of history[{series!r}] have different lengths "
+                f"{sorted(lengths)}; each column must hold one value per row"
+            )
     if not isinstance(document.get("dry_run", False), bool):
-        raise ResultsError(f"{path}: 'dry_run' must be true or false, got {document['dry_run']!r:.80}")
+        raise ResultsError(
+            f"{path}: 'dry_run' must be true or false, got {document['dry_run']!r:.80}"
+        )
     provenance = document.get("provenance")
     if not isinstance(provenance, dict):
-        raise ResultsError(f"{path}: 'provenance' must be an object, got {type(provenance).__name__}")
+        raise ResultsError(
+            f"{path}: 'provenance' must be an object, got {type(provenance).__name__}"
+        )
     for key, kind in PROVENANCE_FIELDS.items():
         value = provenance.get(key)
-        if kind is float and not _is_finite_number(value) or kind is not float and not isinstance(value, kind):
-            raise ResultsError(f"{path}: provenance[{key!r}] must be {kind.__name__}, got {value!r:.80}")
+        if (
+            kind is float
+            and not _is_finite_number(value)
+            or kind is not float
+            and not isinstance(value, kind)
+        ):
+            raise ResultsError(
+                f"{path}: provenance[{key!r}] must be {kind.__name__}, got {value!r:.80}"
+            )
     for name, digest in provenance["sources"].items():
         if not isinstance(digest, str) or len(digest) != 64:
-            raise ResultsError(f"{path}: provenance['sources'][{name!r}] must be a SHA-256 hex digest")
+            raise ResultsError(
+                f"{path}: provenance['sources'][{name!r}] must be a SHA-256 hex digest"
+            )
 
 
 def read_result(path: str | Path) -> RunResult:
@@ -230,20 +298,38 @@ def read_result(path: str | Path) -> RunResult:
     except FileNotFoundError:
         raise ResultsError(f"{path}: no such results file") from None
     except UnicodeDecodeError as error:
-        raise ResultsError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+        raise ResultsError(
+            f"{path}: not UTF-8 text ({error.reason} at byte {error.start})"
+        ) from None
     except OSError as error:  # a folder, no permission
-        raise ResultsError(f"{path}: cannot be read as a results file ({error.strerror or error})") from None
+        raise ResultsError(
+            f"{path}: cannot be read as a results file ({error.strerror or error})"
+        ) from None
     try:
         document = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ResultsError(f"{path}: not valid JSON ({error.msg} at line {error.lineno}); "
-                           "was the write interrupted or the file edited by hand?") from None
-    except (ValueError, RecursionError) as error:  # an int of over 4,300 digits; nesting deeper than Python's stack
-        raise ResultsError(f"{path}: not valid JSON for a results file ({type(error).__name__}: {error})") from None
+        raise ResultsError(
+            f"{path}: not valid JSON ({error.msg} at line {error.lineno}); "
+            "was the write interrupted or the file edited by hand?"
+        ) from None
+    # an int of over 4,300 digits; nesting deeper than Python's stack
+    except (
+        ValueError,
+        RecursionError,
+    ) as error:
+        raise ResultsError(
+            f"{path}: not valid JSON for a results file ({type(error).__name__}: {error})"
+        ) from None
     _validate(document, path)
-    return RunResult(path=path, run=document["run"], profile=document["profile"], metrics=document["metrics"],
-                     history=document["history"], provenance=document["provenance"],
-                     dry_run=document.get("dry_run", False))
+    return RunResult(
+        path=path,
+        run=document["run"],
+        profile=document["profile"],
+        metrics=document["metrics"],
+        history=document["history"],
+        provenance=document["provenance"],
+        dry_run=document.get("dry_run", False),
+    )
 
 
 def find_results(folder: str | Path, run: str) -> list[RunResult]:
@@ -252,26 +338,39 @@ def find_results(folder: str | Path, run: str) -> list[RunResult]:
     Dry runs are left out: their numbers come from a few steps on the CPU.
     """
     folder = Path(folder)
-    found = [result for result in map(read_result, sorted(folder.glob(f"{run}-*.json"))) if not result.dry_run]
+    found = [
+        result
+        for result in map(read_result, sorted(folder.glob(f"{run}-*.json")))
+        if not result.dry_run
+    ]
     return sorted(found, key=lambda result: result.provenance["date"], reverse=True)
 
 
 def history_series(history: list[dict]) -> dict[str, dict[str, list[float]]]:
     """A ``Trainer`` history as the series of a results file: "train" (every row) and "val" (rows with ``val_loss``)."""
-    train_keys = [key for key in ("step", "loss", "lr", "grad_norm", "tokens_per_second")
-                  if all(key in row for row in history)]
+    train_keys = [
+        key
+        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_second")
+        if all(key in row for row in history)
+    ]
     train = {key: [float(row[key]) for row in history] for key in train_keys}
     evaluated = [row for row in history if "val_loss" in row]
-    val = {"step": [float(row["step"]) for row in evaluated], "loss": [float(row["val_loss"]) for row in evaluated]}
+    val = {
+        "step": [float(row["step"]) for row in evaluated],
+        "loss": [float(row["val_loss"]) for row in evaluated],
+    }
     return {"train": train, "val": val}
 
 
 def history_rows(result: RunResult) -> list[dict[str, float]]:
     """The inverse of ``history_series``: one dict per logged step, ``val_loss`` where it was evaluated."""
     train = result.history.get("train", {})
-    rows = [dict(zip(train, values)) for values in zip(*train.values())]
+    rows = [
+        dict(zip(train, values, strict=True))
+        for values in zip(*train.values(), strict=True)
+    ]
     val = result.history.get("val", {})
-    val_losses = dict(zip(val.get("step", []), val.get("loss", [])))
+    val_losses = dict(zip(val.get("step", []), val.get("loss", []), strict=True))
     for row in rows:
         if row["step"] in val_losses:
             row["val_loss"] = val_losses[row["step"]]
@@ -300,5 +399,7 @@ def staleness_note(result: RunResult, root: str | Path) -> str | None:
     changed = stale_sources(result, root)
     if not changed:
         return None
-    return (f"Made on {result.provenance['date'][:10]} from code that has changed since: "
-            f"{', '.join(changed)}. Run `make gpu-results` to refresh it.")
+    return (
+        f"Made on {result.provenance['date'][:10]} from code that has changed since: "
+        f"{', '.join(changed)}. Run `make gpu-results` to refresh it."
+    )

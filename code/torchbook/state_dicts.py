@@ -36,9 +36,17 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 def unwrap_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """The same entries without a wrapper's prefix, removed only when every key has it (however nested)."""
     unwrapped = dict(state_dict)
-    while unwrapped and (prefix := next((p for p in WRAPPER_PREFIXES if all(
-            isinstance(key, str) and key.startswith(p) for key in unwrapped)), None)):
-        unwrapped = {key[len(prefix):]: value for key, value in unwrapped.items()}
+    while unwrapped and (
+        prefix := next(
+            (
+                p
+                for p in WRAPPER_PREFIXES
+                if all(isinstance(key, str) and key.startswith(p) for key in unwrapped)
+            ),
+            None,
+        )
+    ):
+        unwrapped = {key[len(prefix) :]: value for key, value in unwrapped.items()}
     return unwrapped
 
 
@@ -53,13 +61,20 @@ def state_dict_problems(model: nn.Module, state_dict: Mapping[str, Any]) -> list
     expected = unwrap_model(model).state_dict()
     missing = [key for key in expected if key not in state_dict]
     unexpected = [str(key) for key in state_dict if key not in expected]
-    problems = [f"{len(keys)} {kind} keys: {listed(keys)}"
-                for kind, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+    problems = [
+        f"{len(keys)} {kind} keys: {listed(keys)}"
+        for kind, keys in (("missing", missing), ("unexpected", unexpected))
+        if keys
+    ]
     for key, target in expected.items():
         found = state_dict.get(key, target)
         if not isinstance(found, torch.Tensor):
-            problems.append(f"{key}: a {type(found).__name__} in the file, expected a tensor")
+            problems.append(
+                f"{key}: a {type(found).__name__} in the file, expected a tensor"
+            )
         elif (found.shape, found.dtype) != (target.shape, target.dtype):
-            problems.append(f"{key}: {found.dtype} {tuple(found.shape)} in the file, "
-                            f"{target.dtype} {tuple(target.shape)} in the model")
+            problems.append(
+                f"{key}: {found.dtype} {tuple(found.shape)} in the file, "
+                f"{target.dtype} {tuple(target.shape)} in the model"
+            )
     return problems

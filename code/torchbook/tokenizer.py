@@ -9,8 +9,8 @@ as ``tokenizer.json`` beside the shards it produced.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -29,11 +29,17 @@ class TokenizerError(ValueError):
     """A tokenizer file is missing or unusable."""
 
 
-def train_bpe(text_files: Sequence[Path | str], vocab_size: int, special_tokens: Sequence[str] = SPECIAL_TOKENS) -> Tokenizer:
+def train_bpe(
+    text_files: Sequence[Path | str],
+    vocab_size: int,
+    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+) -> Tokenizer:
     """Train a byte-level BPE tokenizer of ``vocab_size`` ids on ``text_files``."""
     minimum = 256 + len(special_tokens)  # every byte plus the special tokens
     if type(vocab_size) is not int or vocab_size < minimum:
-        raise TokenizerError(f"vocab_size={vocab_size!r}: a byte-level BPE needs an int of at least {minimum} ids")
+        raise TokenizerError(
+            f"vocab_size={vocab_size!r}: a byte-level BPE needs an int of at least {minimum} ids"
+        )
     if not text_files:
         raise TokenizerError("train_bpe: no training text files given")
     for path in text_files:
@@ -41,7 +47,9 @@ def train_bpe(text_files: Sequence[Path | str], vocab_size: int, special_tokens:
             raise TokenizerError(f"{path}: training text is missing")
     names = ", ".join(str(p) for p in text_files)
     if all(Path(path).stat().st_size == 0 for path in text_files):
-        raise TokenizerError(f"{names}: the training text is empty; BPE would learn no merges from it")
+        raise TokenizerError(
+            f"{names}: the training text is empty; BPE would learn no merges from it"
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -53,8 +61,11 @@ def train_bpe(text_files: Sequence[Path | str], vocab_size: int, special_tokens:
     )
     try:
         tokenizer.train([str(p) for p in text_files], trainer)
-    except Exception as error:  # tokenizers raises a bare Exception, e.g. for bytes that are not UTF-8
-        raise TokenizerError(f"{names}: training failed ({error}); expected UTF-8 text files") from error
+    # tokenizers raises a bare Exception, e.g. for bytes that are not UTF-8
+    except Exception as error:
+        raise TokenizerError(
+            f"{names}: training failed ({error}); expected UTF-8 text files"
+        ) from error
     return tokenizer
 
 
@@ -67,14 +78,18 @@ def load_tokenizer(path: Path | str) -> Tokenizer:
     """Load a tokenizer saved by ``save_tokenizer``, naming the file if it is missing or malformed."""
     path = Path(path)
     if not path.is_file():
-        raise TokenizerError(f"{path}: tokenizer file is missing; train one with train_bpe and save_tokenizer")
+        raise TokenizerError(
+            f"{path}: tokenizer file is missing; train one with train_bpe and save_tokenizer"
+        )
     try:
         return Tokenizer.from_file(str(path))
     except Exception as error:  # tokenizers raises a bare Exception for malformed JSON
         raise TokenizerError(f"{path}: not a tokenizers JSON file ({error})") from error
 
 
-def cached_tokenizer(path: Path | str, text_files: Sequence[Path | str], vocab_size: int) -> Tokenizer:
+def cached_tokenizer(
+    path: Path | str, text_files: Sequence[Path | str], vocab_size: int
+) -> Tokenizer:
     """The tokenizer saved at ``path`` if it loads and has ``vocab_size`` ids; otherwise train and save it.
 
     A derived file is trusted only after it loads and matches the request, so a

@@ -39,7 +39,12 @@ import torch
 from torch import nn
 
 from torchbook.files import atomic_write, atomic_write_text
-from torchbook.state_dicts import LISTED_KEYS, state_dict_problems, unwrap_model, unwrap_state_dict
+from torchbook.state_dicts import (
+    LISTED_KEYS,
+    state_dict_problems,
+    unwrap_model,
+    unwrap_state_dict,
+)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Metadata key of files written by earlier versions of this module (aliases as JSON); still read.
@@ -53,12 +58,16 @@ class WeightsError(RuntimeError):
 # --------------------------------------------------------------------------- state dicts
 
 
-def check_state_dict(model: nn.Module, state_dict: Mapping[str, Any], source: str | Path) -> None:
+def check_state_dict(
+    model: nn.Module, state_dict: Mapping[str, Any], source: str | Path
+) -> None:
     """Raise WeightsError naming ``source`` unless every key, shape and dtype fits ``model`` (nothing loaded yet)."""
     problems = state_dict_problems(model, state_dict)
     if problems:
-        raise WeightsError(f"{source}: does not fit {type(unwrap_model(model)).__name__} (architecture "
-                           "mismatch); nothing was loaded:\n  " + "\n  ".join(problems))
+        raise WeightsError(
+            f"{source}: does not fit {type(unwrap_model(model)).__name__} (architecture "
+            "mismatch); nothing was loaded:\n  " + "\n  ".join(problems)
+        )
 
 
 def _share_tied(state_dict: dict[str, torch.Tensor], ties: Iterable[list[str]]) -> None:
@@ -70,7 +79,9 @@ def _share_tied(state_dict: dict[str, torch.Tensor], ties: Iterable[list[str]]) 
                 state_dict[name] = state_dict[present[0]]
 
 
-def drop_shared(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def drop_shared(
+    state_dict: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Keep one name per shared tensor (the first in sorted order, as ``save_model``); return tensors and ``{dropped: kept}``.
 
     A tied embedding and output head appear in ``state_dict`` under two names
@@ -87,62 +98,104 @@ def drop_shared(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch
         kept, *dropped = sorted(names)
         for name in dropped:
             a, b = state_dict[kept], state_dict[name]
-            if (a.storage_offset(), a.shape, a.stride(), a.dtype) != (b.storage_offset(), b.shape, b.stride(), b.dtype):
-                raise WeightsError(f"{name}: shares memory with {kept} but is a different view of it; safetensors "
-                                   "cannot store overlapping tensors (clone one of them first)")
+            if (a.storage_offset(), a.shape, a.stride(), a.dtype) != (
+                b.storage_offset(),
+                b.shape,
+                b.stride(),
+                b.dtype,
+            ):
+                raise WeightsError(
+                    f"{name}: shares memory with {kept} but is a different view of it; safetensors "
+                    "cannot store overlapping tensors (clone one of them first)"
+                )
             aliases[name] = kept
-    tensors = {name: tensor.detach().contiguous() for name, tensor in state_dict.items() if name not in aliases}
+    tensors = {
+        name: tensor.detach().contiguous()
+        for name, tensor in state_dict.items()
+        if name not in aliases
+    }
     return tensors, aliases
 
 
-def _to_publish(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], target: Path
-                ) -> tuple[dict, dict[str, str]]:
-    state_dict = (unwrap_model(model_or_state_dict).state_dict() if isinstance(model_or_state_dict, nn.Module)
-                  else unwrap_state_dict(model_or_state_dict))
+def _to_publish(
+    model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], target: Path
+) -> tuple[dict, dict[str, str]]:
+    state_dict = (
+        unwrap_model(model_or_state_dict).state_dict()
+        if isinstance(model_or_state_dict, nn.Module)
+        else unwrap_state_dict(model_or_state_dict)
+    )
     try:
         return drop_shared(state_dict)
     except WeightsError as error:
         raise WeightsError(f"{target}: not written; {error}") from error
 
 
-def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> Path:
+def _write_safetensors(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+) -> Path:
     try:
-        return atomic_write(path, lambda temporary: safetensors.torch.save_file(dict(tensors), temporary,
-                                                                               metadata=dict(metadata)))
+        return atomic_write(
+            path,
+            lambda temporary: safetensors.torch.save_file(
+                dict(tensors), temporary, metadata=dict(metadata)
+            ),
+        )
     except OSError as error:
-        raise WeightsError(f"{path}: could not be written ({type(error).__name__}: {error}); "
-                           "is the disk full? The previous file, if any, is unchanged") from error
+        raise WeightsError(
+            f"{path}: could not be written ({type(error).__name__}: {error}); "
+            "is the disk full? The previous file, if any, is unchanged"
+        ) from error
 
 
 # --------------------------------------------------------------------------- one file
 
 
-def save_safetensors(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], path: str | Path,
-                     metadata: Mapping[str, str] | None = None) -> Path:
+def save_safetensors(
+    model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+    path: str | Path,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
     """Export weights to one safetensors file, atomically, each tied tensor once (as ``save_model``)."""
     tensors, aliases = _to_publish(model_or_state_dict, Path(path))
     header = {str(key): str(value) for key, value in (metadata or {}).items()}
     clash = sorted(set(header) & (set(tensors) | set(aliases)))
     if clash:
-        raise WeightsError(f"{path}: metadata keys {clash} are tensor names; they would be read as aliases")
+        raise WeightsError(
+            f"{path}: metadata keys {clash} are tensor names; they would be read as aliases"
+        )
     header.update(aliases)
     return _write_safetensors(Path(path), tensors, header)
 
 
-def _aliases(metadata: Mapping[str, str], stored: set[str], source: Path) -> dict[str, str]:
+def _aliases(
+    metadata: Mapping[str, str], stored: set[str], source: Path
+) -> dict[str, str]:
     """``{dropped: kept}`` from a file's metadata: ``save_model``'s entries, or the legacy JSON key, checked."""
-    aliases = {name: kept for name, kept in metadata.items() if kept in stored and name not in stored}
+    aliases = {
+        name: kept
+        for name, kept in metadata.items()
+        if kept in stored and name not in stored
+    }
     if LEGACY_ALIASES_KEY in metadata:
         try:
             legacy = json.loads(metadata[LEGACY_ALIASES_KEY])
         except ValueError as error:
-            raise WeightsError(f"{source}: metadata field {LEGACY_ALIASES_KEY!r} is not JSON ({error})") from error
-        if not isinstance(legacy, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in legacy.items()):
-            raise WeightsError(f"{source}: metadata field {LEGACY_ALIASES_KEY!r} is not a JSON object of names")
+            raise WeightsError(
+                f"{source}: metadata field {LEGACY_ALIASES_KEY!r} is not JSON ({error})"
+            ) from error
+        if not isinstance(legacy, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in legacy.items()
+        ):
+            raise WeightsError(
+                f"{source}: metadata field {LEGACY_ALIASES_KEY!r} is not a JSON object of names"
+            )
         missing = sorted(kept for kept in legacy.values() if kept not in stored)
         if missing:
-            raise WeightsError(f"{source}: metadata field {LEGACY_ALIASES_KEY!r} names tensors the file does "
-                               f"not hold: {missing}")
+            raise WeightsError(
+                f"{source}: metadata field {LEGACY_ALIASES_KEY!r} names tensors the file does "
+                f"not hold: {missing}"
+            )
         aliases.update(legacy)
     return aliases
 
@@ -153,24 +206,34 @@ def _open(path: Path, device: str = "cpu"):
     try:
         return safetensors.safe_open(path, framework="pt", device=device)
     except (safetensors.SafetensorError, OSError) as error:
-        raise WeightsError(f"{path}: not a readable safetensors file ({error}); was the write interrupted?") from error
+        raise WeightsError(
+            f"{path}: not a readable safetensors file ({error}); was the write interrupted?"
+        ) from error
 
 
-def read_safetensors(path: str | Path, *, names: Iterable[str] | None = None, device: str = "cpu"
-                     ) -> dict[str, torch.Tensor]:
+def read_safetensors(
+    path: str | Path, *, names: Iterable[str] | None = None, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
     """Read a safetensors file (all tensors, or only ``names``) with ``safe_open``; tied names share one tensor again."""
     path = Path(path)
     with _open(path, device) as handle:
         stored = set(handle.keys())
         aliases = _aliases(handle.metadata() or {}, stored, path)
         wanted = sorted(stored | set(aliases)) if names is None else list(names)
-        unknown = [name for name in wanted if name not in stored and name not in aliases]
+        unknown = [
+            name for name in wanted if name not in stored and name not in aliases
+        ]
         if unknown:
             raise WeightsError(f"{path}: no tensor named {unknown[:LISTED_KEYS]}")
         try:
-            tensors = {name: handle.get_tensor(name) for name in {aliases.get(n, n) for n in wanted}}
+            tensors = {
+                name: handle.get_tensor(name)
+                for name in {aliases.get(n, n) for n in wanted}
+            }
         except safetensors.SafetensorError as error:
-            raise WeightsError(f"{path}: unreadable tensor data ({error}); was the write interrupted?") from error
+            raise WeightsError(
+                f"{path}: unreadable tensor data ({error}); was the write interrupted?"
+            ) from error
     return {name: tensors[aliases.get(name, name)] for name in wanted}
 
 
@@ -193,8 +256,11 @@ def load_safetensors(model: nn.Module, path: str | Path) -> nn.Module:
 # --------------------------------------------------------------------------- sharded
 
 
-def save_sharded_safetensors(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], folder: str | Path,
-                             max_shard_bytes: int) -> Path:
+def save_sharded_safetensors(
+    model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+    folder: str | Path,
+    max_shard_bytes: int,
+) -> Path:
     """Split weights into ``model-0000i-of-0000n.safetensors`` files plus ``model.safetensors.index.json``.
 
     Each shard holds whole tensors, so one larger than ``max_shard_bytes`` gets a
@@ -215,11 +281,17 @@ def save_sharded_safetensors(model_or_state_dict: nn.Module | Mapping[str, torch
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(shards, start=1):
         filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(folder / filename, shard, {name: kept for name, kept in aliases.items() if kept in shard})
+        _write_safetensors(
+            folder / filename,
+            shard,
+            {name: kept for name, kept in aliases.items() if kept in shard},
+        )
         weight_map.update(dict.fromkeys(shard, filename))
     total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    return atomic_write_text(folder / SAFETENSORS_INDEX, json.dumps(index, indent=2) + "\n")
+    return atomic_write_text(
+        folder / SAFETENSORS_INDEX, json.dumps(index, indent=2) + "\n"
+    )
 
 
 def read_index(folder_or_index: str | Path) -> tuple[Path, dict[str, str]]:
@@ -232,24 +304,39 @@ def read_index(folder_or_index: str | Path) -> tuple[Path, dict[str, str]]:
     try:
         index = json.loads(index_path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as error:
-        raise WeightsError(f"{index_path}: not a JSON index ({type(error).__name__}: {error})") from error
+        raise WeightsError(
+            f"{index_path}: not a JSON index ({type(error).__name__}: {error})"
+        ) from error
     if not isinstance(index, dict):
-        raise WeightsError(f"{index_path}: the index is a JSON {type(index).__name__}, expected an object")
+        raise WeightsError(
+            f"{index_path}: the index is a JSON {type(index).__name__}, expected an object"
+        )
     if not isinstance(index.get("metadata", {}), dict):
-        raise WeightsError(f"{index_path}: field 'metadata' is a {type(index['metadata']).__name__}, expected an object")
+        raise WeightsError(
+            f"{index_path}: field 'metadata' is a {type(index['metadata']).__name__}, expected an object"
+        )
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict):
-        raise WeightsError(f"{index_path}: field 'weight_map' is a {type(weight_map).__name__}, "
-                           "expected an object {tensor name: shard file}")
+        raise WeightsError(
+            f"{index_path}: field 'weight_map' is a {type(weight_map).__name__}, "
+            "expected an object {tensor name: shard file}"
+        )
     for name, filename in weight_map.items():
-        if not isinstance(filename, str) or Path(filename).name != filename or not filename.endswith(".safetensors"):
-            raise WeightsError(f"{index_path}: field 'weight_map'[{name!r}] is {filename!r}, expected the name "
-                               "of a .safetensors file in the same folder")
+        if (
+            not isinstance(filename, str)
+            or Path(filename).name != filename
+            or not filename.endswith(".safetensors")
+        ):
+            raise WeightsError(
+                f"{index_path}: field 'weight_map'[{name!r}] is {filename!r}, expected the name "
+                "of a .safetensors file in the same folder"
+            )
     return index_path, weight_map
 
 
-def read_sharded_safetensors(folder_or_index: str | Path, names: Iterable[str] | None = None
-                             ) -> dict[str, torch.Tensor]:
+def read_sharded_safetensors(
+    folder_or_index: str | Path, names: Iterable[str] | None = None
+) -> dict[str, torch.Tensor]:
     """Read the tensors of a sharded checkpoint (all, or only ``names``), opening only the shards that hold them."""
     index_path, weight_map = read_index(folder_or_index)
     files = list(dict.fromkeys(weight_map.values()))
@@ -264,11 +351,23 @@ def read_sharded_safetensors(folder_or_index: str | Path, names: Iterable[str] |
         # A tied name has no bytes of its own: it is in the metadata of the shard holding its tensor.
         for filename in files:
             with _open(index_path.parent / filename) as handle:  # reads the header only
-                links = _aliases(handle.metadata() or {}, set(handle.keys()), index_path.parent / filename)
-            where.update({name: filename for name in wanted if name in links and name not in where})
+                links = _aliases(
+                    handle.metadata() or {},
+                    set(handle.keys()),
+                    index_path.parent / filename,
+                )
+            where.update(
+                {
+                    name: filename
+                    for name in wanted
+                    if name in links and name not in where
+                }
+            )
     unknown = [name for name in wanted if name not in where]
     if unknown:
-        raise WeightsError(f"{index_path}: no tensor named {unknown[:LISTED_KEYS]} in field 'weight_map'")
+        raise WeightsError(
+            f"{index_path}: no tensor named {unknown[:LISTED_KEYS]} in field 'weight_map'"
+        )
     by_file: dict[str, list[str]] = {}
     for name in wanted:
         by_file.setdefault(where[name], []).append(name)
@@ -283,11 +382,19 @@ def read_sharded_safetensors(folder_or_index: str | Path, names: Iterable[str] |
 
 def meta_tensors(model: nn.Module) -> list[str]:
     """Names of the parameters and buffers of ``model`` that are on the meta device (have no values)."""
-    return [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    return [
+        name
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+        if tensor.is_meta
+    ]
 
 
-def load_on_meta(build: Callable[[], nn.Module], state_dict: Mapping[str, torch.Tensor], source: str | Path,
-                 init_buffers: Callable[[nn.Module], None] | None = None) -> nn.Module:
+def load_on_meta(
+    build: Callable[[], nn.Module],
+    state_dict: Mapping[str, torch.Tensor],
+    source: str | Path,
+    init_buffers: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
     """Build a model without initialising it, adopt the checkpoint's tensors, then fill the buffers it does not hold.
 
     Under ``torch.device("meta")`` parameters and buffers have shapes but no
@@ -318,6 +425,8 @@ def load_on_meta(build: Callable[[], nn.Module], state_dict: Mapping[str, torch.
         init_buffers(model)
     still_meta = meta_tensors(model)
     if still_meta:
-        raise WeightsError(f"{source}: after loading, {still_meta} are still on the meta device, with no values "
-                           "(buffers that state_dict does not save); pass init_buffers= to compute them")
+        raise WeightsError(
+            f"{source}: after loading, {still_meta} are still on the meta device, with no values "
+            "(buffers that state_dict does not save); pass init_buffers= to compute them"
+        )
     return model

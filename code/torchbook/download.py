@@ -12,7 +12,7 @@ Two folders, two rules:
   repository) receives everything derived from the data: token shards,
   tokenizers, checkpoints, figures. It is never inside ``BOOK_DATA_DIR``.
 
-Run ``python -m torchbook.cache`` to fetch (or check) everything up front.
+Run ``python -m torchbook.download`` to fetch (or check) everything up front.
 """
 
 from __future__ import annotations
@@ -52,9 +52,7 @@ class DataFile:
 
 
 _MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"
-_SHAKESPEARE_URL = (
-    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-)
+_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
 DATASETS: dict[str, tuple[DataFile, ...]] = {
     "mnist": (
@@ -100,7 +98,9 @@ def repository_root() -> Path:
 def cache_dir() -> Path:
     """The writable folder for everything derived (``BOOK_CACHE_DIR`` or ``.cache``), created if needed."""
     configured = os.environ.get(CACHE_VARIABLE)
-    folder = Path(configured).expanduser() if configured else repository_root() / ".cache"
+    folder = (
+        Path(configured).expanduser() if configured else repository_root() / ".cache"
+    )
     folder = folder.resolve()
     folder.mkdir(parents=True, exist_ok=True)
     return folder
@@ -131,7 +131,9 @@ def sha256_of(path: Path) -> str:
 def verify(path: Path, expected_sha256: str) -> None:
     """Raise DataError naming the file and both hashes unless its SHA-256 is the expected one."""
     if not Path(path).is_file():
-        raise DataError(f"{path}: missing (or not a file); expected the file whose SHA-256 is {expected_sha256}")
+        raise DataError(
+            f"{path}: missing (or not a file); expected the file whose SHA-256 is {expected_sha256}"
+        )
     actual = sha256_of(path)
     if actual != expected_sha256:
         raise DataError(
@@ -153,7 +155,10 @@ def download(spec: DataFile, root: Path, url: str | None = None) -> Path:
     target = root / spec.path
 
     def fetch_and_verify(temporary: Path) -> None:
-        with open(temporary, "wb") as out, urllib.request.urlopen(source, timeout=DOWNLOAD_TIMEOUT_S) as response:
+        with (
+            open(temporary, "wb") as out,
+            urllib.request.urlopen(source, timeout=DOWNLOAD_TIMEOUT_S) as response,
+        ):
             stream = gzip.GzipFile(fileobj=response) if spec.gzipped else response
             shutil.copyfileobj(stream, out, CHUNK_BYTES)
         actual = sha256_of(temporary)
@@ -176,7 +181,9 @@ def ensure(name: str, mirror: str | None = None) -> Path:
     ``mirror`` replaces the canonical base URL (used by the tests' local server).
     """
     if name not in DATASETS:
-        raise DataError(f"unknown data set {name!r}; expected one of {sorted(DATASETS)}")
+        raise DataError(
+            f"unknown data set {name!r}; expected one of {sorted(DATASETS)}"
+        )
     root = data_dir()
     offline = bool(os.environ.get(DATA_VARIABLE))
     for spec in DATASETS[name]:
@@ -189,7 +196,11 @@ def ensure(name: str, mirror: str | None = None) -> Path:
                 f"put the published file there or unset {DATA_VARIABLE}."
             )
         else:
-            url = mirror.rstrip("/") + "/" + spec.url.rsplit("/", 1)[1] if mirror else None
+            url = (
+                mirror.rstrip("/") + "/" + spec.url.rsplit("/", 1)[1]
+                if mirror
+                else None
+            )
             download(spec, root, url)
     return root
 

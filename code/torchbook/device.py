@@ -1,0 +1,58 @@
+"""The device helpers every module may need: precision dtypes, the accelerator, timing.
+
+A small module on purpose: the training loop and the measurements import it
+without the profiles and their run sizes (``torchbook.profiles`` builds on it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+Result = TypeVar("Result")
+
+# The one spelling of a run's precision: the dtype its forward pass autocasts to.
+# "fp32" means no autocast; it is listed so every precision has a dtype.
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+def accelerator() -> torch.device | None:
+    """The accelerator this machine has (CUDA first, then MPS), or None."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has finished its queued work.
+
+    CUDA and MPS run kernels asynchronously: without this, a timer reads how
+    long the host took to queue the work, not how long the device took to do it.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def timed(work: Callable[[], Result], device: torch.device) -> tuple[Result, float]:
+    """Run ``work()`` and return its result with the seconds it took on ``device``.
+
+    Synchronizes before starting the clock (earlier work is not counted) and
+    before stopping it (this work is finished, not only queued).
+    """
+    synchronize(device)
+    start = time.perf_counter()
+    result = work()
+    synchronize(device)
+    return result, time.perf_counter() - start
