@@ -12,7 +12,11 @@ costs little on an idle 2-core machine and makes the timings predictable.
 Tests also run as a reader's laptop does (EMULATE_AVX2): most readers' CPUs
 have AVX2 and no bf16 instructions, where a bf16 matmul is about ten times
 slower than float32. A CPU with AVX512-BF16 or AMX would hide a chapter that
-takes minutes there, so ATen's kernels and oneDNN's are capped at AVX2.
+takes minutes there, so ATen's own kernels, oneDNN's (bf16 matmuls on an
+AVX-512 CPU) and MKL's (float32 matmuls) are capped at AVX2, so no bf16
+instruction is used. On an AVX-512 CPU PyTorch still sends bf16 matmuls to
+oneDNN, whose AVX2 code then runs them; how its speed compares with PyTorch's
+own AVX2 path on a real laptop has not been measured here.
 ``python bench/cpu_bf16.py`` shows the effect side by side. Set
 ``BOOK_NATIVE_CPU=1`` to run on the CPU's full instruction set.
 """
@@ -21,7 +25,11 @@ import os
 
 import pytest
 
-EMULATE_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+EMULATE_AVX2 = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if not os.environ.get("BOOK_NATIVE_CPU"):

@@ -38,9 +38,13 @@ from nbval.plugin import IPyNbCell, IPyNbFile, NbCellError, find_metadata_tags
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from qmd_notebook import QmdError, parse_qmd, to_notebook  # noqa: E402
 
-# Budgets from the book's design, on 2 CPU cores with a cold torch.compile cache.
-CHAPTER_BUDGET_S = 180.0
-LAB_BUDGET_S = 240.0
+# Budgets from the book's design, on 2 CPU cores without native bf16 (or under the
+# emulation conftest.py sets up) with a cold torch.compile cache. The summary marks a
+# chapter over its budget; only a chapter past LIMIT_FACTOR times it fails, so a
+# machine that is busy with something else does not fail the run.
+CHAPTER_BUDGET_S = 60.0
+LAB_BUDGET_S = 120.0
+LIMIT_FACTOR = 2.0
 KERNEL_STARTUP_TIMEOUT_S = 60
 COMPILE_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 WARNING_MARKERS = ("Warning:", "UserWarning", "FutureWarning", "DeprecationWarning")
@@ -57,15 +61,20 @@ def pytest_addoption(parser):
         type=float,
         default=None,
         metavar="SECONDS",
-        help="override every chapter's time budget (the harness's own tests use a tiny one)",
+        help="override every chapter's time limit (the harness's own tests use a tiny one)",
     )
 
 
-def chapter_budget_s(path: Path, override: float | None = None) -> float:
-    """Seconds the whole chapter may take: the lab gets more, as the design says."""
+def chapter_budget_s(name: str) -> float:
+    """Seconds the design gives the whole chapter: the lab gets more."""
+    return LAB_BUDGET_S if "lab" in name else CHAPTER_BUDGET_S
+
+
+def chapter_limit_s(path: Path, override: float | None = None) -> float:
+    """Seconds after which the chapter fails: twice its budget, or ``override``."""
     if override is not None:
         return override
-    return LAB_BUDGET_S if "lab" in path.stem else CHAPTER_BUDGET_S
+    return LIMIT_FACTOR * chapter_budget_s(path.stem)
 
 
 def has_code(path: Path) -> bool:
@@ -163,7 +172,7 @@ class ChapterFile(IPyNbFile):
                     }
                 ),
             )
-        self.budget_s = chapter_budget_s(
+        self.limit_s = chapter_limit_s(
             self.path, self.config.getoption("--chapter-budget")
         )
         prefix = "" if self.start_method is None else f"{self.start_method}: "
@@ -231,7 +240,7 @@ class ChapterCell(IPyNbCell):
         if self.options["skip"]:
             pytest.skip("#| eval: false: shown in the book, never run")
         chapter = self.parent
-        remaining = chapter.budget_s - (time.monotonic() - chapter.started)
+        remaining = chapter.limit_s - (time.monotonic() - chapter.started)
         if remaining <= 0:
             raise NbCellError(self.cell_num, self._budget_message(), self.cell.source)
         saved = self.config.option.nbval_cell_timeout
@@ -267,7 +276,7 @@ class ChapterCell(IPyNbCell):
 
     def _budget_message(self) -> str:
         return (
-            f"{self.parent.path.name} ran past its budget of {self.parent.budget_s:.0f} s "
+            f"{self.parent.path.name} ran past its limit of {self.parent.limit_s:.0f} s "
             "for the whole chapter"
         )
 
@@ -321,4 +330,6 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     terminalreporter.section("chapter times")
     for name, seconds in sorted(times.items()):
-        terminalreporter.write_line(f"{name}: {seconds:.1f} s")
+        budget = chapter_budget_s(name)
+        over = f" (over its {budget:.0f} s budget)" if seconds > budget else ""
+        terminalreporter.write_line(f"{name}: {seconds:.1f} s{over}")

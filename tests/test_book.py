@@ -237,3 +237,19 @@ def test_citation_finder_sees_brackets_and_narrative_but_not_code_or_references(
         "loshchilov2019adamw",
         "su2024roformer",
     }
+
+
+PAGE_COLUMNS = 88  # ruff's line length: a longer code line wraps in the PDF
+# (cell options, `#| fig-cap: ...`, are not shown on the page and may be longer)
+
+
+@pytest.mark.parametrize("path", book_files(), ids=lambda path: path.name)
+def test_no_code_cell_line_is_wider_than_the_page(path):
+    wide = [
+        f"line {cell.line + offset}: {len(text)} columns"
+        for cell in parse_qmd(path)[1]
+        if cell.kind == "code"
+        for offset, text in enumerate(cell.source.splitlines())
+        if len(text) > PAGE_COLUMNS and not text.startswith("#|")
+    ]
+    assert not wide, f"{path.name}: code lines over {PAGE_COLUMNS} columns: {wide}"

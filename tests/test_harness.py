@@ -138,7 +138,7 @@ def test_chapter_over_its_budget_fails(tmp_path):
         "8",
     )
     assert result.returncode == 1, result.stdout
-    assert "ran past its budget of 8 s for the whole chapter" in result.stdout
+    assert "ran past its limit of 8 s for the whole chapter" in result.stdout
 
 
 @pytest.mark.slow
