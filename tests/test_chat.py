@@ -151,6 +151,16 @@ def test_pack_documents_refuses_an_example_longer_than_a_row_naming_it():
         pack_documents(documents((4, 12)), row_length=10)
 
 
+@pytest.mark.parametrize("position", [0, 2])
+def test_pack_documents_refuses_an_empty_example_naming_it(position):
+    # At the start of a row (position 0) an empty example raised a shape
+    # RuntimeError; later in a row it became a document of no tokens.
+    examples = documents((4, 3))
+    examples.insert(position, {"input_ids": [], "labels": []})
+    with pytest.raises(ValueError, match=rf"example {position} has no tokens"):
+        pack_documents(examples, row_length=4)
+
+
 def per_document_losses(lengths=(7, 12, 5, 9, 3), row_length=16, mask=True):
     """Each document's mean loss packed (with or without the document mask) and alone, by a small GPT."""
     torch.manual_seed(0)
@@ -268,6 +278,19 @@ def test_generation_prompt_ends_with_the_assistant_marker(trained):
         CONVERSATION[:1], tokenize=False, add_generation_prompt=True
     )
     assert text == render_chat(CONVERSATION[:1]) + ChatTemplate().assistant
+
+
+def test_saved_tokenizer_reloads_with_its_chat_template(trained, tmp_path):
+    from transformers import AutoTokenizer
+
+    from torchbook.hf import hf_tokenizer
+
+    hf_tokenizer(trained).save_pretrained(tmp_path)
+    assert (tmp_path / "chat_template.jinja").exists()
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert again.apply_chat_template(CONVERSATION, tokenize=False) == render_chat(
+        CONVERSATION
+    )
 
 
 def test_chat_template_refuses_an_unknown_role(trained):

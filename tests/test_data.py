@@ -73,7 +73,7 @@ def test_tutorial_dataset_blocks_are_the_streams_blocks_in_file_order(tmp_path):
     dataset = TokenDataset(tokens.tolist(), block_size=16)
     assert len(dataset) == stream.num_blocks
     for (x, y), (sx, sy) in zip(
-        (dataset[i] for i in range(len(dataset))), stream, strict=False
+        (dataset[i] for i in range(len(dataset))), stream, strict=True
     ):
         assert torch.equal(x, sx[0]) and torch.equal(y, sy[0])
 

@@ -159,6 +159,8 @@ def pack_documents(
     free: list[int] = []  # tokens still free in each row
     for index, example in enumerate(examples):
         length = len(example["input_ids"])
+        if length == 0:
+            raise ValueError(f"example {index} has no tokens; drop it before packing")
         if length > row_length:
             raise ValueError(
                 f"example {index} has {length} tokens, more than row_length={row_length}; "
