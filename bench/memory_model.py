@@ -1,16 +1,19 @@
 """The memory model of torchbook.memory against measurements, over a grid of configurations.
 
-For each configuration (model width and depth, batch, sequence length,
-precision, activation checkpointing, dropout) it predicts the saved-activation
-bytes and the peak of a training step, and measures both without the formula:
-the ``saved_tensors_hooks`` count and the allocator's peak (the profiler's
-memory records on the CPU, ``torch.cuda.max_memory_allocated`` on CUDA) plus
-the exact bytes of the parameters and AdamW's states.
+For each configuration (model, batch, sequence length, precision, checkpointing
+none / selective / full, dropout, chunked loss, and the loop: the book's
+``Trainer.train_step`` itself, or the tutorial loop that keeps the logits) it
+predicts the saved-activation bytes and the peak of a training step, and
+measures both without the formula: the ``saved_tensors_hooks`` count and the
+allocator's peak (the profiler's records on the CPU,
+``torch.cuda.max_memory_allocated`` on CUDA) plus the exact bytes of the
+parameters and the optimizer's states. Then the KV cache's bytes, and DDP's
+gradient buckets on two CPU ranks (gloo), with and without
+``gradient_as_bucket_view``.
 
 Run: ``.venv/bin/python bench/memory_model.py`` (``--device cuda`` on a GPU).
 The last line printed is ``largest memory prediction error: <x>%``, and the
-script exits with an error when it is above ``MAX_ERROR``: chapter 7 shows its
-own table, and this is where the bound is required over more configurations.
+script exits with an error when it is above ``MAX_ERROR``.
 """
 
 from __future__ import annotations
@@ -23,45 +26,148 @@ import torch
 
 from torchbook.memory import (
     TrainingShape,
-    peak_bytes,
+    kv_cache_bytes,
     predict_memory,
     predict_peak,
+)
+from torchbook.memory_measure import (
+    ddp_bucket_bytes,
+    peak_bytes,
     saved_activation_bytes,
     state_bytes,
     training_loss,
     training_step,
 )
 from torchbook.models import GPT, GPTConfig
+from torchbook.recompute import checkpoint_blocks_selectively
+from torchbook.train import TrainConfig, Trainer
 
 MAX_ERROR = 0.10  # the issue's bound on every prediction
 VOCAB_SIZE = 256  # byte-level, as the book's small GPTs
 MODELS = ((2, 4, 64), (4, 4, 128))  # (n_layer, n_head, d_model)
 SHAPES = ((8, 128), (2, 512))  # (batch, sequence length)
+DDP_CONFIG = GPTConfig(VOCAB_SIZE, 64, 2, 4, 64)
+
+
+def build(config: GPTConfig, shape: TrainingShape, device: torch.device) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(config).to(device).train()
+    if shape.checkpointing == "selective":
+        checkpoint_blocks_selectively(model)
+    return model
 
 
 def measure(
     config: GPTConfig, shape: TrainingShape, device: torch.device
 ) -> tuple[int, int]:
     """Measured saved-activation bytes and peak bytes of one steady training step."""
-    torch.manual_seed(0)
-    model = GPT(config).to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    model = build(config, shape, device)
     idx = torch.randint(
         0, config.vocab_size, (shape.batch_size, shape.seq_len), device=device
     )
     targets = idx.roll(-1, dims=1)
+    if shape.loop == "trainer":  # the book's Trainer, as a reader runs it
+        train = TrainConfig(precision=shape.precision, loss_chunks=shape.loss_chunks)
+        trainer = Trainer(model, train, device)
+        optimizer = trainer.optimizer
 
-    def step() -> None:
-        training_step(model, optimizer, idx, targets, shape.precision)
+        def step() -> None:
+            trainer.train_step([(idx, targets)])
 
-    step()  # AdamW creates its states in the first step
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+
+        def step() -> None:
+            training_step(model, optimizer, idx, targets, shape.precision, "tutorial")
+
+    step()  # the optimizer creates its states in the first step
     saved = saved_activation_bytes(
-        model, lambda: training_loss(model, idx, targets, shape.precision)
+        model,
+        lambda: training_loss(model, idx, targets, shape.precision, shape.loss_chunks),
     )
     states = state_bytes(model, optimizer)
     return saved, states["parameters"] + states["optimizer_states"] + peak_bytes(
         step, device
     )
+
+
+def shapes(device_type: str) -> list[tuple[GPTConfig, TrainingShape]]:
+    """The grid: every model and shape in both precisions, with each lever."""
+    levers = [  # (checkpointing, dropout, loss_chunks, loop)
+        ("none", 0.0, 1, "trainer"),
+        ("none", 0.1, 1, "trainer"),
+        ("none", 0.0, 1, "tutorial"),
+        ("none", 0.0, 4, "trainer"),
+        ("selective", 0.0, 1, "trainer"),
+        ("full", 0.0, 1, "trainer"),
+        ("full", 0.1, 4, "trainer"),
+    ]
+    grid = []
+    for (layers, heads, width), (batch, steps), precision, lever in itertools.product(
+        MODELS, SHAPES, ("fp32", "bf16"), levers
+    ):
+        checkpointing, dropout, chunks, loop = lever
+        config = GPTConfig(
+            VOCAB_SIZE,
+            steps,
+            layers,
+            heads,
+            width,
+            dropout,
+            activation_checkpointing=checkpointing == "full",
+        )
+        shape = TrainingShape(
+            batch,
+            steps,
+            precision,
+            checkpointing,
+            chunks,
+            loop,
+            device_type=device_type,
+        )
+        grid.append((config, shape))
+    return grid
+
+
+def kv_cache_error(device: torch.device) -> float:
+    """Bytes a cached generation allocates for keys and values, against the formula."""
+    config = GPTConfig(VOCAB_SIZE, 512, 4, 4, 128)
+    torch.manual_seed(0)
+    model = GPT(config).to(device).eval()
+    prompt = torch.randint(0, VOCAB_SIZE, (2, 8), device=device)
+    with torch.inference_mode():
+        logits_bytes = peak_bytes(lambda: model(prompt), device)
+        measured = peak_bytes(lambda: model.generate(prompt, 1, use_cache=True), device)
+    predicted = kv_cache_bytes(config, 2, config.block_size, 4)
+    # the cache is allocated whole; the prompt's forward comes on top of it
+    error = predicted / (measured - logits_bytes) - 1
+    print(
+        f"KV cache: predicted {predicted:,} B, measured {measured - logits_bytes:,} B"
+    )
+    return error
+
+
+def ddp_errors() -> list[float]:
+    """DDP's buckets and gradients on two CPU ranks, with and without bucket views."""
+    errors = []
+    torch.manual_seed(0)
+    measured = ddp_bucket_bytes(GPT(DDP_CONFIG))
+    for bucket_view, (built, backward) in measured.items():
+        shape = TrainingShape(
+            2, 64, sharding="ddp", world_size=2, gradient_as_bucket_view=bucket_view
+        )
+        memory = predict_memory(DDP_CONFIG, shape)
+        print(
+            f"DDP gradient_as_bucket_view={bucket_view}: buckets predicted "
+            f"{memory.gradient_buckets:,} B, measured {built:,} B; gradients "
+            f"predicted {memory.gradients:,} B, measured {backward:,} B"
+        )
+        errors.append(memory.gradient_buckets / built - 1)
+        if memory.gradients:
+            errors.append(memory.gradients / backward - 1)
+        else:  # bucket views: a backward adds no gradient memory
+            errors.append(backward / memory.gradient_buckets)
+    return errors
 
 
 def main() -> int:
@@ -71,41 +177,29 @@ def main() -> int:
     device = torch.device(args.device)
     torch.set_num_threads(1)
     print(
-        f"{'layers':>6s}{'width':>6s}{'batch':>6s}{'tokens':>7s}{'prec':>6s}{'ckpt':>5s}{'drop':>5s}"
-        f" | {'activations MB pred / meas':>27s}{'err':>7s} | {'peak MB pred / meas':>20s}{'err':>7s}"
+        f"{'layers':>6s}{'width':>6s}{'batch':>6s}{'tokens':>7s}{'prec':>5s}"
+        f"{'ckpt':>10s}{'drop':>5s}{'chunks':>7s}{'loop':>9s}"
+        f" | {'saved MB pred / meas':>20s}{'err':>7s} | {'peak MB pred / meas':>19s}"
+        f"{'err':>7s}"
     )
     errors = []
-    for (layers, heads, width), (
-        batch,
-        steps,
-    ), precision, checkpointing, dropout in itertools.product(
-        MODELS, SHAPES, ("fp32", "bf16"), (False, True), (0.0, 0.1)
-    ):
-        config = GPTConfig(
-            VOCAB_SIZE,
-            steps,
-            layers,
-            heads,
-            width,
-            dropout,
-            activation_checkpointing=checkpointing,
-        )
-        shape = TrainingShape(
-            batch, steps, precision, checkpointing, device_type=device.type
-        )
+    for config, shape in shapes(device.type):
         saved, peak = measure(config, shape, device)
-        predicted_saved, predicted_peak = (
-            predict_memory(config, shape).activations,
-            predict_peak(config, shape),
-        )
+        predicted_saved = predict_memory(config, shape).activations
+        predicted_peak = predict_peak(config, shape)
         saved_error, peak_error = predicted_saved / saved - 1, predicted_peak / peak - 1
         errors += [abs(saved_error), abs(peak_error)]
         print(
-            f"{layers:>6d}{width:>6d}{batch:>6d}{steps:>7d}{precision:>6s}{'yes' if checkpointing else 'no':>5s}"
-            f"{dropout:>5.1f} | {predicted_saved / 1e6:>13.2f} / {saved / 1e6:>10.2f}{saved_error:>+7.1%}"
-            f" | {predicted_peak / 1e6:>9.2f} / {peak / 1e6:>8.2f}{peak_error:>+7.1%}",
+            f"{config.n_layer:>6d}{config.d_model:>6d}{shape.batch_size:>6d}"
+            f"{shape.seq_len:>7d}{shape.precision:>5s}{shape.checkpointing:>10s}"
+            f"{config.dropout:>5.1f}{shape.loss_chunks:>7d}{shape.loop:>9s}"
+            f" | {predicted_saved / 1e6:>9.2f} / {saved / 1e6:>8.2f}{saved_error:>+7.1%}"
+            f" | {predicted_peak / 1e6:>8.2f} / {peak / 1e6:>8.2f}{peak_error:>+7.1%}",
             flush=True,
         )
+    errors.append(abs(kv_cache_error(device)))
+    if device.type == "cpu":
+        errors += [abs(error) for error in ddp_errors()]
     worst = max(errors)
     print(f"largest memory prediction error: {worst:.1%}")
     return 0 if worst <= MAX_ERROR else 1

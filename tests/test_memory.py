@@ -8,26 +8,33 @@ import pytest
 import torch
 
 from torchbook.flops import count_training_flops, flops_per_token
+from torchbook.gpu_fit import fit_table, gpu_run_peaks
 from torchbook.memory import (
     FIT_SHARE,
     GPU_BYTES,
     TrainingShape,
     activation_terms,
-    fit_table,
-    gpu_run_peaks,
+    kv_cache_bytes,
+    main,
     parameter_count,
-    peak_bytes,
     predict_memory,
     predict_peak,
+)
+from torchbook.memory_measure import (
+    ddp_bucket_bytes,
+    peak_bytes,
     saved_activation_bytes,
     state_bytes,
     training_loss,
     training_step,
 )
 from torchbook.models import GPT, GPTConfig
+from torchbook.recompute import checkpoint_blocks_selectively
+from torchbook.train import TrainConfig, Trainer, summed_loss
 
 CONFIG = GPTConfig(vocab_size=96, block_size=64, n_layer=2, n_head=4, d_model=32)
 SHAPE = TrainingShape(batch_size=3, seq_len=48)
+FP32_LOGITS = 4  # bytes of a float32 logit
 
 
 def model_and_batch(
@@ -35,6 +42,8 @@ def model_and_batch(
 ) -> tuple[GPT, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = GPT(config).train()
+    if shape.checkpointing == "selective":
+        checkpoint_blocks_selectively(model)
     generator = torch.Generator().manual_seed(1)
     idx = torch.randint(
         0, config.vocab_size, (shape.batch_size, shape.seq_len), generator=generator
@@ -49,20 +58,37 @@ def model_and_batch(
 def measured_activations(config: GPTConfig, shape: TrainingShape) -> int:
     model, idx, targets = model_and_batch(config, shape)
     return saved_activation_bytes(
-        model, lambda: training_loss(model, idx, targets, shape.precision)
+        model,
+        lambda: training_loss(model, idx, targets, shape.precision, shape.loss_chunks),
     )
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize(
+    "checkpointing, dropout, loss_chunks",
+    [
+        ("none", 0.0, 1),
+        ("none", 0.1, 1),
+        ("none", 0.0, 4),
+        ("selective", 0.0, 1),
+        ("selective", 0.0, 3),
+        ("full", 0.0, 1),
+        ("full", 0.1, 4),
+    ],
+)
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_saved_activations_match_the_hook_count_exactly(
-    precision, checkpointing, dropout, batch_size
+    precision, checkpointing, dropout, loss_chunks, batch_size
 ):
-    config = replace(CONFIG, dropout=dropout, activation_checkpointing=checkpointing)
+    config = replace(
+        CONFIG, dropout=dropout, activation_checkpointing=checkpointing == "full"
+    )
     shape = replace(
-        SHAPE, batch_size=batch_size, precision=precision, checkpointing=checkpointing
+        SHAPE,
+        batch_size=batch_size,
+        precision=precision,
+        checkpointing=checkpointing,
+        loss_chunks=loss_chunks,
     )
     # Exact: the formula names every saved tensor of this model; a missed one is a wrong formula.
     assert predict_memory(config, shape).activations == measured_activations(
@@ -125,26 +151,241 @@ def test_sharding_divides_what_each_zero_stage_shards(sharding, divided):
     )
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_predicted_peak_is_within_ten_percent_of_the_allocators(checkpointing, dropout):
-    config = replace(CONFIG, dropout=dropout, activation_checkpointing=checkpointing)
-    shape = replace(SHAPE, checkpointing=checkpointing)
-    model, idx, targets = model_and_batch(config, shape)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    # AdamW creates its states in the first step
-    training_step(model, optimizer, idx, targets, "fp32")
-    states = state_bytes(model, optimizer)
-    measured = (
-        states["parameters"]
-        + states["optimizer_states"]
-        + peak_bytes(
-            lambda: training_step(model, optimizer, idx, targets, "fp32"),
-            torch.device("cpu"),
-        )
+@pytest.mark.parametrize("loop", ["trainer", "tutorial"])
+def test_predicted_peak_is_within_ten_percent_of_the_allocators(
+    checkpointing, dropout, loop
+):
+    if checkpointing == "selective" and dropout:
+        pytest.skip("selective checkpointing is predicted for dropout 0 only")
+    config = replace(
+        CONFIG, dropout=dropout, activation_checkpointing=checkpointing == "full"
     )
+    shape = replace(SHAPE, checkpointing=checkpointing, loop=loop)
+    model, idx, targets = model_and_batch(config, shape)
+    if loop == "trainer":  # the book's own Trainer
+        trainer = Trainer(model, TrainConfig(), "cpu")
+        optimizer = trainer.optimizer
+
+        def step() -> None:
+            trainer.train_step([(idx, targets)])
+
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step() -> None:
+            training_step(model, optimizer, idx, targets, "fp32", loop)
+
+    step()  # the optimizer creates its states in the first step
+    states = state_bytes(model, optimizer)
+    peak = peak_bytes(step, torch.device("cpu"))
+    measured = states["parameters"] + states["optimizer_states"] + peak
     # 10%: the model follows the large tensors; the allocator also sees small temporaries.
     assert abs(predict_peak(config, shape) - measured) / measured < 0.10
+
+
+def test_the_tutorial_loop_peaks_higher_by_the_logits():
+    config = replace(CONFIG, vocab_size=4096)  # so that the logits dominate
+    trainer, tutorial = (
+        predict_peak(config, replace(SHAPE, loop=loop))
+        for loop in ("trainer", "tutorial")
+    )
+    assert tutorial - trainer == FP32_LOGITS * SHAPE.batch_size * SHAPE.seq_len * 4096
+
+
+def test_peak_bytes_does_not_count_what_an_earlier_profiled_run_left():
+    kept = []
+    # a profiled 40 MB allocation that stays alive: the profiler's running total
+    # includes it, so a measurement read as an absolute total counted it again
+    peak_bytes(lambda: kept.append(torch.empty(40_000_000, dtype=torch.uint8)), "cpu")
+    measured = peak_bytes(lambda: torch.empty(4000, dtype=torch.uint8), "cpu")
+    assert 4000 <= measured < 8000  # the allocator may round a request up
+
+
+def test_peak_bytes_refuses_a_device_it_cannot_measure():
+    with pytest.raises(ValueError, match="device mps is not measured"):
+        peak_bytes(lambda: None, torch.device("mps"))
+
+
+def test_chunked_loss_and_gradients_equal_the_plain_ones():
+    model, idx, targets = model_and_batch(CONFIG, SHAPE)
+    results = []
+    for chunks in (1, 4):
+        loss = summed_loss(model, idx, targets, "fp32", chunks)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    (plain, plain_grads), (chunked, chunked_grads) = results
+    # float32 rounding: the chunked sum adds the tokens in another order
+    assert abs(chunked / plain - 1) <= 1e-6
+    for a, b in zip(plain_grads, chunked_grads, strict=True):
+        # each sum over 144 tokens in another order: a few float32 ulps of the largest
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+
+
+def test_a_trainer_step_with_a_chunked_loss_equals_the_plain_step():
+    weights = []
+    for chunks in (1, 4):
+        model, idx, targets = model_and_batch(CONFIG, SHAPE)
+        Trainer(model, TrainConfig(loss_chunks=chunks), "cpu").train_step(
+            [(idx, targets)]
+        )
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*weights, strict=True):
+        # AdamW's first step moves each weight by up to its warmup rate, 3e-6, in
+        # the gradient's direction: a wrong gradient shows as up to 6e-6 apart;
+        # float32 rounding of the same gradient, far less
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+
+
+def test_loss_chunks_must_be_a_positive_int():
+    with pytest.raises(ValueError, match="loss_chunks"):
+        TrainConfig(loss_chunks=0)
+
+
+def test_chunked_loss_keeps_fewer_bytes_than_the_plain_one():
+    plain = measured_activations(CONFIG, SHAPE)
+    chunked = measured_activations(CONFIG, replace(SHAPE, loss_chunks=4))
+    tokens = SHAPE.batch_size * SHAPE.seq_len
+    # cross-entropy's float32 log-probabilities (and its 4-byte total weight) are gone
+    assert plain - chunked == tokens * FP32_LOGITS * CONFIG.vocab_size + 4
+
+
+def test_selective_checkpointing_gives_equal_gradients_and_keeps_state_dict_keys():
+    shape = replace(SHAPE, checkpointing="selective")
+    grads = []
+    for checkpointing in ("none", "selective"):
+        model, idx, targets = model_and_batch(
+            CONFIG, replace(shape, checkpointing=checkpointing)
+        )
+        training_loss(model, idx, targets, "fp32").backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)  # the same operations on the same inputs
+    assert model.state_dict().keys() == GPT(CONFIG).state_dict().keys()
+
+
+@pytest.mark.parametrize("top_k", [1, None])
+def test_generation_with_a_kv_cache_equals_generation_without(top_k):
+    torch.manual_seed(0)
+    model = GPT(CONFIG).eval()
+    prompt = torch.randint(0, CONFIG.vocab_size, (2, 5))
+    # past block_size the cached path runs the cropped context again, as without it
+    outputs = [
+        model.generate(
+            prompt,
+            CONFIG.block_size + 4,
+            top_k=top_k,
+            generator=torch.Generator().manual_seed(3),
+            use_cache=use_cache,
+        )
+        for use_cache in (False, True)
+    ]
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_a_cached_forward_gives_the_logits_of_the_full_forward():
+    torch.manual_seed(0)
+    model = GPT(CONFIG).eval()
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 9))
+    cache = model._empty_cache(ids)
+    with torch.inference_mode():
+        full = model(ids)
+        prompt = model(ids[:, :5], kv_cache=(cache, 0))
+        continued = model(ids[:, 5:8], kv_cache=(cache, 5))  # three at once
+        last = model(ids[:, 8:], kv_cache=(cache, 8))
+    cached = torch.cat((prompt, continued, last), dim=1)
+    # float32: the same products in other kernels (fused causal against masked)
+    torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-6)
+
+
+def test_the_kv_cache_allocates_the_predicted_bytes():
+    torch.manual_seed(0)
+    model = GPT(CONFIG).eval()
+    prompt = torch.randint(0, CONFIG.vocab_size, (2, 5))
+    with torch.inference_mode():
+        forward = peak_bytes(lambda: model(prompt), "cpu")
+        generate = peak_bytes(lambda: model.generate(prompt, 1, use_cache=True), "cpu")
+    # the cache is allocated whole, for block_size positions, before the prompt's forward
+    assert generate - forward == kv_cache_bytes(CONFIG, 2, CONFIG.block_size, 4)
+
+
+def test_grouped_query_attention_divides_the_cache_by_the_group_size():
+    full = kv_cache_bytes(CONFIG, 1, 100, 2)
+    assert kv_cache_bytes(CONFIG, 1, 100, 2, kv_heads=1) * CONFIG.n_head == full
+    with pytest.raises(ValueError, match="kv_heads=3 must divide n_head=4"):
+        kv_cache_bytes(CONFIG, 1, 100, 2, kv_heads=3)
+
+
+@pytest.mark.slow
+def test_ddp_buckets_are_a_second_copy_of_the_gradients_unless_they_are_views():
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    measured = ddp_bucket_bytes(model, port=29547)
+    for bucket_view, (built, backward) in measured.items():
+        shape = replace(
+            SHAPE, sharding="ddp", world_size=2, gradient_as_bucket_view=bucket_view
+        )
+        predicted = predict_memory(CONFIG, shape)
+        # 5% of the buckets: DDP's reducer keeps a few kB of its own (seen: 0 to
+        # 4,096 B after the backward), next to buckets and gradients
+        slack = 0.05 * predicted.gradient_buckets
+        assert abs(built - predicted.gradient_buckets) <= slack
+        # with views the gradients are the buckets: a backward adds about nothing
+        assert abs(backward - predicted.gradients) <= slack
+
+
+def test_the_calculator_prints_the_predicted_peak(capsys):
+    assert (
+        main(
+            [
+                "--layers",
+                "2",
+                "--width",
+                "32",
+                "--heads",
+                "4",
+                "--vocab",
+                "96",
+                "--seq",
+                "48",
+                "--batch",
+                "3",
+                "--precision",
+                "fp32",
+            ]
+        )
+        == 0
+    )
+    peak = predict_peak(CONFIG, SHAPE)
+    assert f"{peak / 1e9:.3f} GB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--batch", "0"], "batch_size must be >= 1"),
+        (["--width", "-8"], "d_model must be a positive int"),
+        (["--heads", "5"], "must be divisible by n_head=5"),
+        (["--precision", "fp8"], "precision='fp8'"),
+        (["--checkpointing", "some"], "invalid choice"),
+    ],
+)
+def test_the_calculator_refuses_impossible_input_with_a_message(
+    arguments, message, capsys
+):
+    with pytest.raises(SystemExit) as exit:
+        main(arguments)
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_calculator_has_help(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--help"])
+    assert exit.value.code == 0
+    assert "--loss-chunks" in capsys.readouterr().out
 
 
 def test_flops_per_token_equal_the_flop_counters():
@@ -157,11 +398,15 @@ def test_flops_per_token_equal_the_flop_counters():
     )
 
 
-def test_a_bad_precision_or_sharding_is_refused_by_name():
+def test_a_bad_precision_sharding_or_lever_is_refused_by_name():
     with pytest.raises(ValueError, match="precision='fp8'"):
         TrainingShape(2, 8, precision="fp8")
     with pytest.raises(ValueError, match="sharding='zero4'"):
         TrainingShape(2, 8, sharding="zero4")
+    with pytest.raises(ValueError, match="checkpointing=True"):
+        TrainingShape(2, 8, checkpointing=True)
+    with pytest.raises(ValueError, match="tutorial loop has no chunked loss"):
+        TrainingShape(2, 8, loss_chunks=2, loop="tutorial")
 
 
 def test_every_gpu_run_fits_an_80_gb_gpu_with_half_to_spare():

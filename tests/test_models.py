@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchbook.memory import saved_activation_bytes
+from torchbook.memory_measure import saved_activation_bytes
 from torchbook.models import (
     GPT,
     INIT_STD,
@@ -513,7 +513,7 @@ def test_chapter_2_shows_models_py_pieces_verbatim():
     pieces = {
         "class CausalSelfAttention",
         "class Block",
-        "    def forward(\n        self, idx",
+        "    def forward(\n        self,\n        idx",
         "class TinyMLP",
     }
     shown = {name for name in pieces if any(name in block for block in blocks)}

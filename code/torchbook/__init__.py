@@ -51,15 +51,22 @@ Chapters 6-8 and the results of full-size runs:
 
 - ``distributed``: process groups, rank slices, all-reduce counting and launching
   ``torchrun`` jobs that always end.
-- ``memory``: where a GPT's training memory goes: parameters, gradients, optimizer states and
-  saved activations predicted (precision, checkpointing, ZeRO/FSDP) and measured, the peak of
-  a step, and whether the GPU runs fit (builds on ``models``).
+- ``memory``: where a GPT's training memory goes, predicted by formula: parameters,
+  gradients, optimizer states, saved activations, logits, DDP buckets, the KV cache
+  (precision, checkpointing, chunked loss, ZeRO/FSDP), and the calculator
+  ``python -m torchbook.memory`` (builds on ``models``).
+- ``memory_measure``: a step's memory measured without formulas: saved tensors, the
+  peak, DDP's buckets (builds on ``train`` and ``memory``).
+- ``recompute``: selective activation checkpointing with ``torch.utils.checkpoint``'s
+  policy API (builds on ``models``).
+- ``gpu_fit``: whether the book's GPU runs fit, predicted at the gpu profile's sizes
+  (builds on ``memory``, ``models`` and ``profiles``).
 - ``flops``: a GPT's training FLOPs per token from the formula and from ``FlopCounterMode``,
   the device's measured matmul peak, tokens per second and MFU (builds on ``models`` and
   ``memory``).
 - ``mnist``: MNIST read from its verified raw IDX files, as a dataset of PIL images and as resident tensors.
 - ``lab``: what the lab's drills share: the MLP, its evaluation and MNIST as resident tensors
-  (builds on ``mnist`` and ``cache``); ``drills``: the exercise notebook's checkers,
+  (builds on ``mnist`` and ``download``); ``drills``: the exercise notebook's checkers,
   independent of ``lab`` on purpose: they recompute from your objects, not from the lab's code.
 - ``results``: results of full-size runs as JSON with provenance, and their staleness.
 

@@ -1,8 +1,10 @@
-"""Where a GPT's training memory goes: predicted from its config, and measured.
+"""Where a GPT's training memory goes, predicted from its shape; and a calculator.
 
 It builds on ``torchbook.models`` (``GPTConfig`` and the ``GPT`` whose saved
-tensors the formula counts, one by one) and ``torchbook.profiles`` (the
-precisions, and the gpu sizes whose fit it predicts).
+tensors the formula counts, one by one) and ``torchbook.device`` (the
+precisions). ``torchbook.memory_measure`` measures the same quantities without
+any formula, and ``torchbook.gpu_fit`` predicts the book's own GPU runs.
+``python -m torchbook.memory --help`` runs the calculator on any shape.
 
 Training memory has four kinds (Rajbhandari et al. 2020, "ZeRO"):
 
@@ -15,7 +17,10 @@ Training memory has four kinds (Rajbhandari et al. 2020, "ZeRO"):
 
 ZeRO stage 1 shards the optimizer states over the data-parallel ranks, stage 2
 also the gradients, stage 3 (and FSDP) also the parameters. Activations are
-never sharded by data parallelism: each rank keeps those of its own batch.
+never sharded by data parallelism: each rank keeps those of its own batch. DDP
+shards nothing and adds its gradient buckets: a second float32 copy of the
+gradients, unless ``gradient_as_bucket_view=True`` makes the gradients views
+of the buckets. FSDP's all-gathered copy of one block is not counted.
 
 The activation formula is derived for this GPT tensor by tensor (see
 ``activation_terms``), in the way Korthikanti et al. 2022 ("Reducing Activation
@@ -25,41 +30,27 @@ scores, appears here only when attention falls back to PyTorch's "math" path:
 the fused kernels (flash, memory-efficient, and the CPU's flash kernel) keep
 just one logsumexp per query and head. On the CPU that fallback happens when
 attention dropout is on; CUDA's fused kernels handle dropout themselves.
-
-The measurements use no formula: the bytes of the tensors that exist, a
-``saved_tensors_hooks`` pack hook that sees every tensor autograd saves
-(each storage counted once), and the allocator's own running total for the peak.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
+import argparse
 import math
-import os
-import tempfile
-from collections.abc import Callable, Iterator
+import sys
 from dataclasses import dataclass
-from itertools import pairwise
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from torchbook.device import AUTOCAST_DTYPES, synchronize
+from torchbook.device import AUTOCAST_DTYPES
 from torchbook.models import MLP_EXPANSION, GPTConfig
-from torchbook.profiles import gpu_sizes, make_profile
 
 GPU_BYTES = 80 * 10**9  # the GPUs readers rent: A100 / H100 with 80 GB
-FIT_SHARE = 0.5  # a run "fits" when its predicted peak is at most half of that: the rest is for the CUDA
-# context, cuBLAS workspaces, the caching allocator's fragmentation and torch.compile's buffers
-CHAR_VOCAB = 256  # character-level models: at most 256 symbols (Tiny Shakespeare has 65), an upper bound
-FP32 = 4  # bytes of a float32: weights, gradients, Adam moments, LayerNorm inputs and statistics
-INDEX = (
-    8  # bytes of an int64 token id (the input ids, and the targets cross-entropy keeps)
-)
+# A run "fits" when its predicted peak is at most half of the GPU: the rest is for the
+# CUDA context, cuBLAS workspaces, the caching allocator's fragmentation and
+# torch.compile's buffers.
+FIT_SHARE = 0.5
+FP32 = 4  # bytes of a float32: weights, gradients, Adam moments, LayerNorm inputs
+INDEX = 8  # bytes of an int64 token id (the input ids, and the targets)
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
-# Which of parameters / gradients / optimizer states each scheme divides by the number of ranks.
+# Which of parameters / gradients / optimizer states each scheme divides by the ranks.
 SHARDED = {
     "none": (),
     "ddp": (),
@@ -68,33 +59,51 @@ SHARDED = {
     "zero3": ("parameters", "gradients", "optimizer_states"),
     "fsdp": ("parameters", "gradients", "optimizer_states"),
 }
+CHECKPOINTING = ("none", "selective", "full")  # torchbook.recompute, GPTConfig
+# "trainer": the book's Trainer, whose logits are freed once the loss exists;
+# "tutorial": logits = model(x) in the loop, alive until the step ends.
+LOOPS = ("trainer", "tutorial")
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}  # float32 numbers per parameter
+NAMES = "--layers: n_layer, --width: d_model, --heads: n_head, --vocab: vocab_size"
 
 
 @dataclass(frozen=True)
 class TrainingShape:
-    """What a training step looks like, besides the model: batch, precision, recomputation, sharding."""
+    """What a training step looks like besides the model: batch, precision, levers, sharding."""
 
     batch_size: int  # rows per rank per micro-batch
     seq_len: int
     precision: str = "fp32"  # a key of AUTOCAST_DTYPES
-    checkpointing: bool = False  # each block under torch.utils.checkpoint
+    checkpointing: str = "none"  # one of CHECKPOINTING
+    loss_chunks: int = 1  # head and loss over this many slices (train.summed_loss)
+    loop: str = "trainer"  # one of LOOPS
+    optimizer: str = "adamw"  # a key of OPTIMIZER_STATES (sgd: with momentum)
     sharding: str = "none"  # one of SHARDINGS
     world_size: int = 1  # data-parallel ranks
-    device_type: str = "cpu"  # "cpu" or "cuda": decides the dropout masks' dtype and the attention kernel
+    gradient_as_bucket_view: bool = False  # DDP's option
+    device_type: str = "cpu"  # "cpu" or "cuda": dropout masks' dtype, attention kernel
 
     def __post_init__(self) -> None:
-        if self.precision not in AUTOCAST_DTYPES:
-            raise ValueError(
-                f"TrainingShape.precision={self.precision!r}; expected one of {list(AUTOCAST_DTYPES)}"
-            )
-        if self.sharding not in SHARDINGS:
-            raise ValueError(
-                f"TrainingShape.sharding={self.sharding!r}; expected one of {SHARDINGS}"
-            )
-        if min(self.batch_size, self.seq_len, self.world_size) < 1:
-            raise ValueError(
-                f"TrainingShape: batch_size, seq_len and world_size must be >= 1, got {self}"
-            )
+        for name, allowed in (
+            ("precision", tuple(AUTOCAST_DTYPES)),
+            ("checkpointing", CHECKPOINTING),
+            ("loop", LOOPS),
+            ("optimizer", tuple(OPTIMIZER_STATES)),
+            ("sharding", SHARDINGS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"TrainingShape.{name}={getattr(self, name)!r}; "
+                    f"expected one of {list(allowed)}"
+                )
+        sizes = ("batch_size", "seq_len", "loss_chunks", "world_size")
+        for name in sizes:
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"TrainingShape.{name} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.loop == "tutorial" and self.loss_chunks > 1:
+            raise ValueError("TrainingShape: the tutorial loop has no chunked loss")
 
 
 @dataclass(frozen=True)
@@ -104,24 +113,28 @@ class MemoryBreakdown:
     parameters: int
     gradients: int
     optimizer_states: int
+    gradient_buckets: int  # DDP's
     activations: int
 
     @property
     def total(self) -> int:
         return (
-            self.parameters + self.gradients + self.optimizer_states + self.activations
+            self.parameters
+            + self.gradients
+            + self.optimizer_states
+            + self.gradient_buckets
+            + self.activations
         )
 
 
 def parameter_count(config: GPTConfig) -> int:
     """Parameters of ``GPT(config)``: the tied embedding, n_layer blocks, the final LayerNorm."""
     width, hidden = config.d_model, MLP_EXPANSION * config.d_model
-    # MLP
     block = (
         2 * 2 * width  # two LayerNorms, weight and bias
-        + (width * 3 * width + 3 * width)
-        + (width * width + width)  # qkv and attention projection
-        + (width * hidden + hidden)
+        + (width * 3 * width + 3 * width)  # qkv
+        + (width * width + width)  # attention projection
+        + (width * hidden + hidden)  # MLP
         + (hidden * width + width)
     )
     return config.vocab_size * width + config.n_layer * block + 2 * width
@@ -145,11 +158,8 @@ def parameter_tensor_count(config: GPTConfig) -> int:
     return 1 + 12 * config.n_layer + 2
 
 
-def activation_terms(config: GPTConfig, shape: TrainingShape) -> dict[str, int]:
-    """Bytes autograd saves during one forward pass, by where they come from.
-
-    Per token, with C = d_model, H = n_head, V = vocab_size and a = the bytes of
-    the compute dtype (4 in float32, 2 under bf16/fp16 autocast), each block saves:
+def block_bytes_per_token(config: GPTConfig, shape: TrainingShape) -> int:
+    """Bytes one block saves per token, with C = d_model, H = n_head, a = compute dtype bytes.
 
     - 2 x 4C: the float32 inputs of its two LayerNorms (the residual stream), and
       4 x 4 bytes of their means and inverse standard deviations;
@@ -164,86 +174,120 @@ def activation_terms(config: GPTConfig, shape: TrainingShape) -> dict[str, int]:
       float32 row, measured: there its reshapes are views and it keeps both;
     - with dropout, two masks of C (the input's dtype on the CPU, 1-byte bools on CUDA).
 
-    Outside the blocks: the token ids, the embedding's dropout mask, the final
-    LayerNorm (4C + 8 + aC) and cross-entropy's float32 log-probabilities (4V)
-    and int64 targets. Under autocast every weight of a matmul is also saved as
-    its low-precision copy (2 bytes per matmul weight, once per step).
-
-    With checkpointing a block keeps only its float32 input (4C per token); its
-    other terms exist again, for one block at a time, during the backward pass.
+    Checkpointed, a block keeps its float32 input (4C), and selectively also
+    the outputs of its four matmuls (a·9C) and of attention (aC + 4H).
     """
-    tokens = shape.batch_size * shape.seq_len
     width, heads, steps = config.d_model, config.n_head, shape.seq_len
     low = AUTOCAST_DTYPES[shape.precision].itemsize
+    if shape.checkpointing == "full":
+        return FP32 * width
+    if shape.checkpointing == "selective":
+        if config.dropout > 0:
+            raise ValueError("selective checkpointing is predicted for dropout 0 only")
+        return FP32 * width + low * (6 + MLP_EXPANSION) * width + FP32 * heads
     dropout = config.dropout > 0
-    # bytes per element of a dropout mask
     mask = (1 if shape.device_type == "cuda" else low) if dropout else 0
     if dropout and shape.device_type == "cpu":  # SDPA's math path
         attention = 3 * FP32 * width + 3 * FP32 * heads * steps + low * width
-        # one float32 row: its reshapes are views, two more C kept
         if shape.batch_size == 1 and low == FP32:
-            attention += 2 * FP32 * width
+            attention += 2 * FP32 * width  # one float32 row: views keep two more
     else:  # a fused kernel
         attention = low * 6 * width + FP32 * heads
-    block = (
+    return (
         2 * FP32 * width
         + 4 * FP32  # LayerNorm inputs and statistics
-        + low
-        # qkv and fc inputs, fc and GELU outputs
-        * (2 * width + 2 * MLP_EXPANSION * width)
+        + low * (2 * width + 2 * MLP_EXPANSION * width)  # qkv, fc inputs; fc, GELU out
         + attention
         + 2 * mask * width
     )
-    if shape.checkpointing:
-        block = FP32 * width
-    # Under checkpointing only the head's copy is saved; the blocks' are made again when recomputed.
-    copied = (
-        config.vocab_size * config.d_model
-        if shape.checkpointing
-        else matmul_parameter_count(config)
-    )
-    weight_copies = 2 * copied if low < FP32 else 0
-    embedding_mask = (
-        (1 if shape.device_type == "cuda" else FP32) * width if dropout else 0
-    )
+
+
+def activation_terms(config: GPTConfig, shape: TrainingShape) -> dict[str, int]:
+    """Bytes autograd saves during one forward pass, by where they come from.
+
+    Blocks: ``block_bytes_per_token``. Outside them: the token ids, the
+    embedding's dropout mask, the final LayerNorm (4C + 8 + aC) and
+    cross-entropy's float32 log-probabilities (4V) and int64 targets. With a
+    chunked loss only the head's float32 input (4C) and the targets are kept:
+    each slice's logits are made again in the backward pass. Under autocast each
+    matmul weight is also saved as its low-precision copy (2 bytes a weight),
+    except where it is recomputed (checkpointed blocks, a chunked head).
+    """
+    tokens = shape.batch_size * shape.seq_len
+    width, vocab = config.d_model, config.vocab_size
+    low = AUTOCAST_DTYPES[shape.precision].itemsize
+    copied = matmul_parameter_count(config)
+    if shape.checkpointing != "none":
+        copied = vocab * width
+    if shape.loss_chunks > 1:
+        copied -= vocab * width
+        head = tokens * (FP32 * width + 2 * FP32 + FP32 * width)
+        loss = tokens * INDEX
+    else:
+        head = tokens * (FP32 * width + 2 * FP32 + low * width)
+        loss = tokens * (FP32 * vocab + INDEX) + FP32
+    mask = 1 if shape.device_type == "cuda" else FP32
+    embedding_mask = mask * width if config.dropout > 0 else 0
     return {
-        "blocks": tokens * config.n_layer * block,
+        "blocks": tokens * config.n_layer * block_bytes_per_token(config, shape),
         "embedding and ids": tokens * (INDEX + embedding_mask),
-        "final norm and head": tokens * (FP32 * width + 2 * FP32 + low * width),
-        "cross-entropy": tokens * (FP32 * config.vocab_size + INDEX) + FP32,
-        "autocast weight copies": weight_copies,
+        "final norm and head": head,
+        "cross-entropy": loss,
+        "autocast weight copies": 2 * copied if low < FP32 else 0,
     }
 
 
 def predict_memory(config: GPTConfig, shape: TrainingShape) -> MemoryBreakdown:
-    """Bytes per rank of parameters, gradients, optimizer states and saved activations."""
+    """Bytes per rank of parameters, gradients, optimizer states, DDP's buckets, saved activations."""
     count = parameter_count(config)
+    moments = OPTIMIZER_STATES[shape.optimizer]
+    counters = parameter_tensor_count(config) if shape.optimizer == "adamw" else 0
     sizes = {
         "parameters": FP32 * count,
         "gradients": FP32 * count,
-        "optimizer_states": 2 * FP32 * count + FP32 * parameter_tensor_count(config),
+        "optimizer_states": moments * FP32 * count + FP32 * counters,
     }
     for kind in SHARDED[shape.sharding]:
         sizes[kind] = math.ceil(sizes[kind] / shape.world_size)
+    buckets = FP32 * count if shape.sharding == "ddp" else 0
+    if buckets and shape.gradient_as_bucket_view:  # the gradients live in the buckets
+        sizes["gradients"] = 0
     return MemoryBreakdown(
-        activations=sum(activation_terms(config, shape).values()), **sizes
+        activations=sum(activation_terms(config, shape).values()),
+        gradient_buckets=buckets,
+        **sizes,
     )
 
 
+def loss_backward_bytes(config: GPTConfig, shape: TrainingShape) -> int:
+    """What the loss's backward holds besides the saved activations: the logits' share.
+
+    Unchunked: cross-entropy's two float32 gradients of V per token (and in the
+    tutorial loop the logits themselves, a·V, alive since the forward). Chunked:
+    one slice's recomputed logits and log-probabilities and their gradients
+    (3 x 4V per token of the slice) and the head's weight gradient.
+    """
+    tokens, vocab = shape.batch_size * shape.seq_len, config.vocab_size
+    if shape.loss_chunks > 1:
+        rows = shape.batch_size * math.ceil(shape.seq_len / shape.loss_chunks)
+        return 3 * FP32 * rows * vocab + FP32 * vocab * config.d_model
+    held = AUTOCAST_DTYPES[shape.precision].itemsize if shape.loop == "tutorial" else 0
+    return (2 * FP32 + held) * tokens * vocab
+
+
 def predict_peak(config: GPTConfig, shape: TrainingShape) -> int:
-    """Bytes allocated at the busiest moment of a training step, once AdamW has its states.
+    """Bytes allocated at the busiest moment of a training step, once the optimizer has its states.
 
-    Parameters and optimizer states are always there, and so are the logits,
-    which the loop holds until the step ends (a·V per token, as in
-    ``training_step`` and the book's ``Trainer``). The candidates are:
+    Parameters, optimizer states and DDP's buckets are always there. The
+    candidates are:
 
-    - the start of the backward pass: every saved activation, plus cross-entropy's
-      two float32 gradients of V per token;
+    - the start of the backward pass: every saved activation, plus the logits'
+      share (``loss_backward_bytes``);
     - each block's backward, last block first: the activations not yet freed,
       the gradients made so far and this block's, two residual-stream
-      gradients, with checkpointing the block's recomputed activations, and on
-      SDPA's math path the gradient of one (T, T) tensor per head (less the
-      block's MLP tensors, freed by the time attention's backward runs);
+      gradients, a checkpointed block's recomputed activations, and on SDPA's
+      math path the gradient of one (T, T) tensor per head (less the block's
+      MLP tensors, freed by the time attention's backward runs);
     - the optimizer step: every gradient.
 
     Gradients are None until the backward pass (``zero_grad(set_to_none=True)``).
@@ -252,40 +296,39 @@ def predict_peak(config: GPTConfig, shape: TrainingShape) -> int:
     terms = activation_terms(config, shape)
     tokens = shape.batch_size * shape.seq_len
     width, low = config.d_model, AUTOCAST_DTYPES[shape.precision].itemsize
-    # < 1 when gradients are sharded
     grad_share = memory.gradients / (FP32 * parameter_count(config))
     block_params = (
         parameter_count(config) - config.vocab_size * width - 2 * width
     ) // config.n_layer
     block_grads = FP32 * block_params * grad_share
-    always = (
-        memory.parameters + memory.optimizer_states + tokens * config.vocab_size * low
-    )
+    always = memory.parameters + memory.optimizer_states + memory.gradient_buckets
     recompute = 0  # what a block's backward holds beyond the saved tensors
-    # one block's saved tensors, made again, and its weights' low-precision copies
-    if shape.checkpointing:
-        unsaved = TrainingShape(
+    if shape.checkpointing != "none":  # the block's saved tensors, made again
+        plain = TrainingShape(
             shape.batch_size,
             shape.seq_len,
             shape.precision,
             device_type=shape.device_type,
         )
-        recompute = activation_terms(config, unsaved)["blocks"] // config.n_layer
-        if low < FP32:
-            recompute += (
-                2
-                * (matmul_parameter_count(config) - config.vocab_size * width)
-                // config.n_layer
-            )
+        recompute = tokens * block_bytes_per_token(config, plain)
+        if shape.checkpointing == "selective":  # less what was kept, but the two
+            # projections' outputs, which a plain block does not keep
+            kept = block_bytes_per_token(config, shape) - 2 * low * width
+            recompute -= tokens * kept
+        if low < FP32:  # and the block's weights' low-precision copies
+            matmuls = matmul_parameter_count(config) - config.vocab_size * width
+            recompute += 2 * matmuls // config.n_layer
     if config.dropout > 0 and shape.device_type == "cpu":
-        # The math path's backward peaks in attention, holding the gradient of one (T, T) tensor per head;
-        # the MLP's saved tensors of that block are freed by then.
+        # The math path's backward peaks in attention, holding the gradient of one
+        # (T, T) tensor per head; the block's MLP tensors are freed by then.
         mask = low * width  # the MLP's dropout mask
         mlp_saved = (
             FP32 * width + 2 * FP32 + low * (width + 2 * MLP_EXPANSION * width) + mask
         )
         recompute += max(0, (FP32 * config.n_head * shape.seq_len - mlp_saved) * tokens)
-    moments = [always + memory.activations + 2 * FP32 * tokens * config.vocab_size]
+    moments = [always + memory.activations + loss_backward_bytes(config, shape)]
+    if shape.loop == "tutorial":  # the logits stay until the step ends
+        always += tokens * config.vocab_size * low
     remaining = (
         memory.activations - terms["cross-entropy"] - terms["final norm and head"]
     )
@@ -306,210 +349,97 @@ def predict_peak(config: GPTConfig, shape: TrainingShape) -> int:
     return int(max(moments))
 
 
-# Measurements. None of them uses the formulas above.
-
-
-def training_loss(
-    model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, precision: str
-) -> torch.Tensor:
-    """The book's training forward: logits under autocast, cross-entropy in float32 (as ``Trainer`` does)."""
-    with torch.autocast(
-        idx.device.type, dtype=AUTOCAST_DTYPES[precision], enabled=precision != "fp32"
-    ):
-        logits = model(idx)
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
-
-
-def training_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    idx: torch.Tensor,
-    targets: torch.Tensor,
-    precision: str,
-) -> None:
-    """One step in the order of the book's ``Trainer``: forward, loss, backward, step, zero_grad.
-
-    The logits stay referenced until the step ends, as they do in the loop.
-    """
-    with torch.autocast(
-        idx.device.type, dtype=AUTOCAST_DTYPES[precision], enabled=precision != "fp32"
-    ):
-        logits = model(idx)
-    F.cross_entropy(logits.float().flatten(0, -2), targets.flatten()).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def storage_bytes(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a tied weight or a view counts once)."""
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
-    }
-    return sum(storages.values())
-
-
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Exact bytes of the parameters, their gradients and the optimizer's state tensors."""
-    parameters = list(model.parameters())
-    states = [
-        v
-        for state in optimizer.state.values()
-        for v in state.values()
-        if isinstance(v, torch.Tensor)
-    ]
-    return {
-        "parameters": storage_bytes(parameters),
-        "gradients": storage_bytes(p.grad for p in parameters if p.grad is not None),
-        "optimizer_states": storage_bytes(states),
-    }
-
-
-def saved_activation_bytes(
-    model: nn.Module, forward: Callable[[], torch.Tensor]
+def kv_cache_bytes(
+    config: GPTConfig,
+    batch_size: int,
+    seq_len: int,
+    element_bytes: int,
+    kv_heads: int | None = None,
 ) -> int:
-    """Bytes of the tensors autograd saves while ``forward()`` runs, each storage once.
+    """Bytes of a KV cache: a key and a value per layer, KV head and position.
 
-    Parameters and buffers are saved too (a Linear keeps its weight), but they
-    exist anyway; they are left out so the count is the memory the step adds.
+    2 x n_layer x kv_heads x head_size x element_bytes per token. With
+    grouped-query attention (Ainslie et al. 2023) ``kv_heads`` < n_head: query
+    heads share each key/value head, and the cache shrinks by n_head / kv_heads.
     """
-    existing = {
-        t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]
+    kv_heads = config.n_head if kv_heads is None else kv_heads
+    if config.n_head % kv_heads:
+        raise ValueError(f"kv_heads={kv_heads} must divide n_head={config.n_head}")
+    per_token = 2 * config.n_layer * kv_heads * config.head_size * element_bytes
+    return per_token * batch_size * seq_len
+
+
+# The calculator: python -m torchbook.memory --help
+
+
+def breakdown_table(config: GPTConfig, shape: TrainingShape, gpu_gb: float) -> str:
+    """The calculator's report: bytes by kind, the predicted peak, and the fit on a GPU."""
+    memory = predict_memory(config, shape)
+    rows = {
+        "parameters": memory.parameters,
+        "gradients": memory.gradients,
+        "optimizer states": memory.optimizer_states,
+        "DDP gradient buckets": memory.gradient_buckets,
     }
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in existing:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = forward()
-    del loss  # frees the graph
-    return sum(saved.values())
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silence the process's stderr: Kineto, the profiler's engine, writes status lines there."""
-    saved = os.dup(2)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-def peak_bytes(step: Callable[[], None], device: torch.device) -> int:
-    """Most bytes ``step()`` has allocated at once, above what was allocated before it.
-
-    CUDA: ``torch.cuda.max_memory_allocated``. CPU: the profiler's memory
-    records, which carry the allocator's running total of the bytes allocated
-    since profiling started. Add the tensors that already existed (parameters,
-    optimizer states: ``state_bytes``) for the step's whole footprint.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    from torch.profiler import ProfilerActivity, profile
-
-    with (
-        _quiet_stderr(),
-        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler,
-    ):
-        step()
-    with tempfile.TemporaryDirectory() as folder:
-        trace = os.path.join(folder, "trace.json")
-        with _quiet_stderr():
-            profiler.export_chrome_trace(trace)
-        with open(trace) as file:
-            events = json.load(file)["traceEvents"]
-    totals = [
-        event["args"]["Total Allocated"]
-        for event in events
-        if event.get("name") == "[memory]"
+    for term, value in activation_terms(config, shape).items():
+        rows[f"activations: {term}"] = value
+    rows["logits' share at the loss's backward"] = loss_backward_bytes(config, shape)
+    peak, gpu = predict_peak(config, shape), gpu_gb * 1e9
+    lines = [f"{kind:42s}{value / 1e9:>10.3f} GB" for kind, value in rows.items()]
+    verdict = "fits" if peak <= FIT_SHARE * gpu else "does not fit"
+    lines += [
+        f"{'predicted peak of a step':42s}{peak / 1e9:>10.3f} GB",
+        f"{peak / gpu:.1%} of a {gpu_gb:g} GB GPU: {verdict} "
+        f"(the book asks for at most {FIT_SHARE:.0%})",
     ]
-    return max(totals, default=0)
-
-
-# Will the book's GPU runs fit? Predicted from the gpu sizes, so no GPU is needed to ask.
-
-
-def mlp_peak(widths: tuple[int, ...], batch_size: int) -> int:
-    """Upper bound on an MLP's training peak: 16 bytes per parameter, and every layer's input and output kept."""
-    parameters = sum(a * b + b for a, b in pairwise(widths))
-    return 4 * FP32 * parameters + 2 * FP32 * batch_size * sum(widths)
-
-
-def gpu_run_peaks() -> dict[str, int]:
-    """Predicted peak bytes of each run the book makes at gpu-profile sizes (bf16 autocast on CUDA)."""
-    cpu = make_profile("cpu")
-    lm, device, demo, memory, lab = (
-        gpu_sizes(sizes)
-        for sizes in (cpu.lm, cpu.devices, cpu.checkpoint, cpu.memory, cpu.lab)
-    )
-    runs = {
-        "ch. 3 language model (and the compile results)": (
-            GPTConfig(
-                CHAR_VOCAB, lm.block_size, lm.n_layer, lm.n_head, lm.d_model, lm.dropout
-            ),
-            lm.batch_size,
-            lm.block_size,
-        ),
-        "ch. 5 loading demo (as if trained on its 2 x 16 input)": (
-            GPTConfig(
-                demo.demo_vocab_size,
-                demo.demo_block_size,
-                demo.demo_n_layer,
-                demo.demo_n_head,
-                demo.demo_d_model,
-            ),
-            2,
-            16,
-        ),
-        "ch. 6 torch.compile model": (
-            GPTConfig(
-                device.vocab_size,
-                device.compile_block_size,
-                device.compile_n_layer,
-                device.n_head,
-                device.compile_d_model,
-            ),
-            device.compile_batch_size,
-            device.compile_block_size,
-        ),
-        "ch. 7 largest configuration": (
-            GPTConfig(
-                memory.vocab_size,
-                max(memory.seq_lens),
-                memory.n_layer,
-                memory.n_head,
-                memory.d_model,
-            ),
-            memory.batch_size,
-            max(memory.seq_lens),
-        ),
-    }
-    peaks = {
-        name: predict_peak(
-            config, TrainingShape(batch, steps, "bf16", device_type="cuda")
-        )
-        for name, (config, batch, steps) in runs.items()
-    }
-    peaks["ch. 8 lab MLP"] = mlp_peak((28 * 28, *lab.hidden, 10), lab.batch_size)
-    return peaks
-
-
-def fit_table() -> str:
-    """A text table of each GPU run's predicted peak against an 80 GB GPU."""
-    lines = [f"{'run (gpu profile)':58s}{'predicted peak':>16s}{'share of 80 GB':>16s}"]
-    for name, peak in gpu_run_peaks().items():
-        lines.append(f"{name:58s}{peak / 1e9:>13.3f} GB{peak / GPU_BYTES:>16.1%}")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse a model's shape and a training setup, print ``breakdown_table``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m torchbook.memory",
+        description="Predict a GPT's training memory per rank, by kind, and its peak.",
+    )
+    add = parser.add_argument
+    add("--layers", type=int, default=12)
+    add("--width", type=int, default=768, help="d_model")
+    add("--heads", type=int, default=12)
+    add("--vocab", type=int, default=50304)
+    add("--seq", type=int, default=1024, help="tokens per row")
+    add("--batch", type=int, default=8, help="rows per rank")
+    add("--precision", default="bf16", help=f"one of {list(AUTOCAST_DTYPES)}")
+    add("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
+    add("--checkpointing", default="none", choices=CHECKPOINTING)
+    add("--loss-chunks", type=int, default=1, help="1: the loss in one piece")
+    add("--loop", default="trainer", choices=LOOPS)
+    add("--parallel", default="none", choices=SHARDINGS)
+    add("--ranks", type=int, default=1, help="data-parallel ranks")
+    add("--bucket-view", action="store_true", help="DDP gradient_as_bucket_view")
+    add("--gpu-gb", type=float, default=GPU_BYTES / 1e9, help="GPU memory in GB")
+    args = parser.parse_args(argv)
+    if args.gpu_gb <= 0:
+        parser.error(f"--gpu-gb must be > 0, got {args.gpu_gb}")
+    try:
+        config = GPTConfig(args.vocab, args.seq, args.layers, args.heads, args.width)
+        shape = TrainingShape(
+            args.batch,
+            args.seq,
+            args.precision,
+            args.checkpointing,
+            args.loss_chunks,
+            args.loop,
+            args.optimizer,
+            args.parallel,
+            args.ranks,
+            args.bucket_view,
+            device_type="cuda",
+        )
+    except ValueError as error:  # names the field and what was expected
+        parser.error(f"{error}\n  ({NAMES})")
+    print(breakdown_table(config, shape, args.gpu_gb))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Will the book's GPU runs fit? Each run's peak predicted at the gpu profile's sizes.
+
+No GPU is needed to ask: ``torchbook.memory`` predicts from the shapes that
+``torchbook.profiles`` gives the gpu profile. Chapter 7 prints ``fit_table``.
+It builds on ``torchbook.memory`` (the prediction) and ``torchbook.models``
+(``GPTConfig``).
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+from torchbook.memory import FP32, GPU_BYTES, TrainingShape, predict_peak
+from torchbook.models import GPTConfig
+from torchbook.profiles import gpu_sizes, make_profile
+
+CHAR_VOCAB = 256  # character-level models: at most 256 symbols (Tiny Shakespeare: 65)
+
+
+def mlp_peak(widths: tuple[int, ...], batch_size: int) -> int:
+    """Upper bound on an MLP's training peak: 16 bytes per parameter, every layer's input and output kept."""
+    parameters = sum(a * b + b for a, b in pairwise(widths))
+    return 4 * FP32 * parameters + 2 * FP32 * batch_size * sum(widths)
+
+
+def gpu_run_peaks() -> dict[str, int]:
+    """Predicted peak bytes of each run the book makes at gpu-profile sizes, on CUDA.
+
+    The runs use bf16 autocast except chapter 7's float32 cells, which are
+    predicted at their largest: the longest context in the tutorial loop.
+    """
+    cpu = make_profile("cpu")
+    lm, device, demo, memory, lab = (
+        gpu_sizes(sizes)
+        for sizes in (cpu.lm, cpu.devices, cpu.checkpoint, cpu.memory, cpu.lab)
+    )
+    longest = max(memory.seq_lens)
+    chapter_7 = GPTConfig(
+        memory.vocab_size, longest, memory.n_layer, memory.n_head, memory.d_model
+    )
+    runs = {
+        "ch. 3 language model (and the compile results)": (
+            GPTConfig(
+                CHAR_VOCAB, lm.block_size, lm.n_layer, lm.n_head, lm.d_model, lm.dropout
+            ),
+            TrainingShape(lm.batch_size, lm.block_size, "bf16", device_type="cuda"),
+        ),
+        "ch. 5 loading demo (as if trained on its 2 x 16 input)": (
+            GPTConfig(
+                demo.demo_vocab_size,
+                demo.demo_block_size,
+                demo.demo_n_layer,
+                demo.demo_n_head,
+                demo.demo_d_model,
+            ),
+            TrainingShape(2, 16, "bf16", device_type="cuda"),
+        ),
+        "ch. 6 torch.compile model": (
+            GPTConfig(
+                device.vocab_size,
+                device.compile_block_size,
+                device.compile_n_layer,
+                device.n_head,
+                device.compile_d_model,
+            ),
+            TrainingShape(
+                device.compile_batch_size,
+                device.compile_block_size,
+                "bf16",
+                device_type="cuda",
+            ),
+        ),
+    }
+    for precision in ("fp32", "bf16"):
+        runs[f"ch. 7 {precision} cells (largest: tutorial loop)"] = (
+            chapter_7,
+            TrainingShape(
+                memory.batch_size,
+                longest,
+                precision,
+                loop="tutorial",
+                device_type="cuda",
+            ),
+        )
+    peaks = {name: predict_peak(*run) for name, run in runs.items()}
+    peaks["ch. 8 lab MLP"] = mlp_peak((28 * 28, *lab.hidden, 10), lab.batch_size)
+    return peaks
+
+
+def fit_table() -> str:
+    """A text table of each GPU run's predicted peak against an 80 GB GPU."""
+    lines = [f"{'run (gpu profile)':52s}{'predicted peak':>16s}{'of 80 GB':>10s}"]
+    for name, peak in gpu_run_peaks().items():
+        lines.append(f"{name:52s}{peak / 1e9:>13.3f} GB{peak / GPU_BYTES:>10.1%}")
+    return "\n".join(lines)

@@ -1,0 +1,249 @@
+"""A training step's memory, measured without any formula.
+
+``torchbook.memory`` predicts; this module measures, so that the two can be
+set side by side. It builds on ``torchbook.train`` (``summed_loss``, the
+book's forward and loss), ``torchbook.device``, and ``torchbook.memory`` for
+the names of the two loops it runs (no formula).
+
+- ``state_bytes``: the bytes of the tensors that exist (parameters, their
+  gradients, the optimizer's states), each storage counted once;
+- ``saved_activation_bytes``: a ``saved_tensors_hooks`` pack hook sees every
+  tensor autograd saves for the backward pass (and, with
+  ``respect_saved_tensors_hooks=True``, what selective checkpointing keeps);
+- ``peak_bytes``: the most bytes a step allocates at once, from the
+  allocator's own records;
+- ``ddp_bucket_bytes``: what DistributedDataParallel keeps on two CPU ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchbook.device import AUTOCAST_DTYPES, synchronize
+from torchbook.memory import LOOPS
+from torchbook.train import summed_loss
+
+
+def training_loss(
+    model: nn.Module,
+    idx: torch.Tensor,
+    targets: torch.Tensor,
+    precision: str,
+    loss_chunks: int = 1,
+) -> torch.Tensor:
+    """The mean loss of the book's training forward: ``train.summed_loss`` over the tokens."""
+    return summed_loss(model, idx, targets, precision, loss_chunks) / targets.numel()
+
+
+def training_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    idx: torch.Tensor,
+    targets: torch.Tensor,
+    precision: str,
+    loop: str = "trainer",
+    loss_chunks: int = 1,
+) -> None:
+    """One step: forward, loss, backward, optimizer step, ``zero_grad``.
+
+    ``loop="trainer"`` is the book's ``Trainer``: the logits are local to
+    ``summed_loss`` and freed once the loss exists. ``loop="tutorial"`` is the
+    tutorial version, ``logits = model(x)`` in the loop's own scope, which keeps
+    the logits alive until the step ends.
+    """
+    if loop not in LOOPS:
+        raise ValueError(f"training_step: loop={loop!r}; expected one of {LOOPS}")
+    if loop == "trainer":
+        training_loss(model, idx, targets, precision, loss_chunks).backward()
+    else:
+        with torch.autocast(
+            idx.device.type,
+            dtype=AUTOCAST_DTYPES[precision],
+            enabled=precision != "fp32",
+        ):
+            logits = model(idx)
+        loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a tied weight or a view counts once)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+    }
+    return sum(storages.values())
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Exact bytes of the parameters, their gradients and the optimizer's state tensors."""
+    parameters = list(model.parameters())
+    states = [
+        v
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    ]
+    return {
+        "parameters": storage_bytes(parameters),
+        "gradients": storage_bytes(p.grad for p in parameters if p.grad is not None),
+        "optimizer_states": storage_bytes(states),
+    }
+
+
+def saved_activation_bytes(
+    model: nn.Module, forward: Callable[[], torch.Tensor]
+) -> int:
+    """Bytes of the tensors autograd saves while ``forward()`` runs, each storage once.
+
+    Parameters and buffers are saved too (a Linear keeps its weight), but they
+    exist anyway; they are left out so the count is the memory the step adds.
+    """
+    existing = {
+        t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]
+    }
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in existing:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = forward()
+    del loss  # frees the graph
+    return sum(saved.values())
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence the process's stderr: Kineto, the profiler's engine, writes status lines there."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def allocation_totals(run: Callable[[], object]) -> list[int]:
+    """Bytes allocated by ``run()`` after each allocation and free, in order (CPU).
+
+    The profiler's memory records carry the allocator's running total for the
+    whole process, so an earlier profiled run that left tensors alive shifts
+    it. Each total here is taken relative to the one before the region's first
+    event: the bytes ``run()`` itself holds at that moment.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with (
+        _quiet_stderr(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler,
+    ):
+        run()
+    events, pending = (
+        [],
+        list(profiler.profiler.kineto_results.experimental_event_tree()),
+    )
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            events.append((event.start_time_ns, event.extra_fields))
+    events.sort(key=lambda pair: pair[0])
+    if not events:
+        return [0]
+    first = events[0][1]
+    before = first.total_allocated - first.alloc_size
+    return [fields.total_allocated - before for _, fields in events]
+
+
+def peak_bytes(step: Callable[[], object], device: torch.device) -> int:
+    """Most bytes ``step()`` has allocated at once, above what was allocated before it.
+
+    CUDA: ``torch.cuda.max_memory_allocated``. CPU: ``allocation_totals``.
+    Add the tensors that already existed (parameters, optimizer states:
+    ``state_bytes``) for the step's whole footprint. MPS is refused: the
+    profiler would measure host memory there, not the GPU's.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    if device.type != "cpu":
+        raise ValueError(
+            f"peak_bytes: device {device} is not measured; the profiler's records "
+            "are the host's memory, so only 'cpu' and 'cuda' are supported"
+        )
+    return max(0, *allocation_totals(step))
+
+
+def _ddp_bytes(model: nn.Module, idx: torch.Tensor, bucket_view: bool) -> str:
+    """Bytes kept once DDP is built, and after one forward and backward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp: list[nn.Module] = []  # keeps the module, and its buckets, alive
+    built = allocation_totals(
+        lambda: ddp.append(
+            DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
+        )
+    )
+    backward = allocation_totals(
+        lambda: training_loss(ddp[0], idx, idx.roll(-1, 1), "fp32").backward()
+    )
+    model.zero_grad(set_to_none=True)
+    return f"{bucket_view} {built[-1]} {backward[-1]}"
+
+
+def _ddp_rank(rank: int, port: int, model: nn.Module, folder: str) -> None:
+    """One of two gloo ranks: ``_ddp_bytes`` without and with bucket views."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    address = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2)
+    idx = torch.randint(0, model.config.vocab_size, (2, model.config.block_size))
+    rows = [_ddp_bytes(model, idx, bucket_view) for bucket_view in (False, True)]
+    if rank == 0:
+        with open(os.path.join(folder, "ddp.txt"), "w") as file:
+            file.write("\n".join(rows))
+    dist.destroy_process_group()
+
+
+def ddp_bucket_bytes(
+    model: nn.Module, port: int = 29531
+) -> dict[bool, tuple[int, int]]:
+    """Bytes DDP keeps on two CPU ranks (gloo), by ``gradient_as_bucket_view``.
+
+    For each setting: (bytes kept once ``DistributedDataParallel(model)`` is
+    built: its gradient buckets; bytes a forward and backward leave: the
+    gradients, unless they are views of the buckets). ``model`` is a GPT.
+    """
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_ddp_rank, args=(port, model, folder), nprocs=2)
+        with open(os.path.join(folder, "ddp.txt")) as file:
+            lines = file.read().splitlines()
+    results = {}
+    for line in lines:
+        view, built, backward = line.split()
+        results[view == "True"] = (int(built), int(backward))
+    return results
