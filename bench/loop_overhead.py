@@ -1,7 +1,7 @@
 """How much slower is the book's Trainer than a minimal hand-written loop?
 
 Both train the same GPT on the same pre-generated token batches for the same
-number of steps, in float32, with the same optimizer (``build_optimizer``:
+number of steps, in float32, with the same optimizer (``build_adamw``:
 AdamW, two weight-decay groups, the fused kernel where the device has one) and
 gradient clipping at 1.0, so what differs is the loop alone. Runs alternate in one process (book, hand-written,
 hand-written, book, ...) so that load from other processes hits both alike,
@@ -12,7 +12,8 @@ opinion, since it is less sensitive to other processes on a shared machine.
 
 What differs, on purpose:
 - the Trainer counts target tokens and computes the loss as a token-weighted
-  sum (so accumulation is exact), steps a LambdaLR schedule, and every
+  sum (so accumulation is exact), writes the schedule's learning rate into
+  the optimizer, records a non-finite gradient norm on the device, and every
   ``log_every`` steps reads loss and gradient norm to the host and appends a
   history row;
 - the hand-written loop uses ``cross_entropy``'s mean, a constant learning
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from torchbook.models import GPT, GPTConfig, TinyMLP
-from torchbook.optim import build_optimizer
+from torchbook.optim import build_adamw
 from torchbook.train import TrainConfig, Trainer
 
 # Large enough that one step takes tens of milliseconds on 2 CPU cores, so
@@ -81,7 +82,7 @@ def run_book(model: GPT, batches, device: torch.device) -> tuple[float, float]:
 
 def run_hand_written(model: GPT, batches, device: torch.device) -> tuple[float, float]:
     # constant rate: no schedule
-    optimizer, _ = build_optimizer(model, bench_config(len(batches)), device)
+    optimizer = build_adamw(model, bench_config(len(batches)), device)
     started, cpu_started = time.perf_counter(), time.process_time()
     model.train()
     for x, y in batches:

@@ -16,7 +16,7 @@ process and kills itself. It ties the book's pieces together: a byte-level
 Shakespeare (``torchbook.data``) by its own short loop around
 ``Trainer.train_step`` (``torchbook.train``): draw a step's micro-batches,
 count them, step, and save every ``save_every`` steps with
-``save_training_checkpoint(folder, trainer.state_dict(), data_state=...)``;
+``save_training_checkpoint(folder, trainer.state_dict(), device=..., data_state=...)``;
 ``load_training_checkpoint(path, trainer)`` restores it (``torchbook.checkpoint``).
 The trainer's state carries its steps not yet logged, so a checkpoint may fall
 between two log rows. The one count the trainer does not keep is the number of
@@ -167,6 +167,7 @@ class Run:
         return save_training_checkpoint(
             self.folder,
             self.trainer.state_dict(),
+            device=self.trainer.device,
             data_state=self.stream.state_dict(batches_consumed=self.batches_drawn),
             model_config=self.model_config,
             keep_last=self.keep_last,

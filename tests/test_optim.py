@@ -12,12 +12,13 @@ from torch import nn
 from torchbook.optim import (
     OptimizerConfig,
     apply_config,
+    build_adamw,
     build_optimizer,
-    build_schedule,
     learning_rate,
     load_optimizer_state,
     optimizer_layout_problems,
     parameter_groups,
+    set_learning_rate,
 )
 
 
@@ -136,8 +137,6 @@ def test_a_state_saved_without_the_fused_kernel_loads_into_a_fused_optimizer():
     unfused = torch.optim.AdamW(
         parameter_groups(model, config.weight_decay), lr=config.lr, betas=config.betas
     )
-    # as build_optimizer does: it sets the groups' initial_lr
-    build_schedule(unfused, config)
     model(torch.randn(5, 4)).square().mean().backward()
     unfused.step()
     saved = copy.deepcopy(unfused.state_dict())
@@ -161,25 +160,41 @@ def test_a_state_saved_without_the_fused_kernel_loads_into_a_fused_optimizer():
     assert int(fused.state_dict()["state"][0]["step"]) == 2
 
 
-def test_applying_the_saved_config_changes_nothing_and_a_new_one_sets_the_next_rate():
+def test_set_learning_rate_writes_the_schedule_into_every_group():
     config = OptimizerConfig(max_steps=10, lr=1e-2, min_lr=1e-3, warmup_steps=2)
-    model, optimizer, scheduler = stepped(config, steps=4)
-    before = copy.deepcopy(optimizer.state_dict()["param_groups"])
-    apply_config(optimizer, scheduler, config)
-    assert optimizer.state_dict()["param_groups"] == before  # bit for bit: == on floats
+    model, optimizer, _ = stepped(config, steps=0)
+    for step in (0, 1, 2, 6, 10, 12):
+        rate = set_learning_rate(optimizer, step, config)
+        assert [group["lr"] for group in optimizer.param_groups] == [rate, rate]
+    # independent landmarks: warmup 1/2 of lr, the peak, the middle of the cosine, min_lr after
+    assert set_learning_rate(optimizer, 0, config) == pytest.approx(0.5e-2)
+    assert set_learning_rate(optimizer, 2, config) == pytest.approx(1e-2)
+    assert set_learning_rate(optimizer, 6, config) == pytest.approx((1e-2 + 1e-3) / 2)
+    assert set_learning_rate(optimizer, 12, config) == pytest.approx(1e-3)
 
-    # A run resumed with a new config builds its pair from it, loads the saved state, then applies the config.
-    changed = OptimizerConfig(max_steps=10, lr=4e-3, min_lr=1e-4, warmup_steps=2)
-    resumed, resumed_schedule = build_optimizer(model, changed, torch.device("cpu"))
-    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-    resumed_schedule.load_state_dict(scheduler.state_dict())
-    assert resumed.param_groups[0]["lr"] == pytest.approx(learning_rate(4, config)), (
-        "loading restores the old rate"
+
+def test_a_loaded_optimizer_takes_the_betas_and_decay_of_a_new_config():
+    config = OptimizerConfig(max_steps=10, warmup_steps=2, betas=(0.9, 0.95))
+    model, optimizer, _ = stepped(config, steps=2)
+    changed = OptimizerConfig(
+        max_steps=10, warmup_steps=2, weight_decay=0.01, betas=(0.8, 0.9)
     )
-    apply_config(resumed, resumed_schedule, changed)
-    assert [group["lr"] for group in resumed.param_groups] == [
-        pytest.approx(learning_rate(4, changed))
-    ] * 2
-    assert resumed_schedule.get_last_lr() == [
-        group["lr"] for group in resumed.param_groups
+    resumed = build_adamw(model, changed, torch.device("cpu"))
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    assert resumed.param_groups[0]["betas"] == (0.9, 0.95), "loading restores the old"
+    apply_config(resumed, changed)
+    assert [(g["betas"], g["weight_decay"]) for g in resumed.param_groups] == [
+        ((0.8, 0.9), 0.01),
+        ((0.8, 0.9), 0.0),
     ]
+
+
+def test_build_optimizer_for_a_hand_written_loop_follows_learning_rate():
+    config = OptimizerConfig(max_steps=10, lr=1e-2, min_lr=1e-3, warmup_steps=2)
+    _, optimizer, scheduler = stepped(config, steps=0)
+    for step in range(12):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(
+            learning_rate(step, config), rel=1e-12
+        )
+        optimizer.step()
+        scheduler.step()

@@ -316,17 +316,55 @@ class ManyBuffers(nn.Module):
             )
 
 
-def test_module_tree_fits_a_long_row_of_tensors_inside_its_panel(close_figures):
+def tree_text_boxes(figure, dpi: float) -> list[tuple[float, float, float, str]]:
+    """(row centre, x0, x1, text) of the tree panel's texts, drawn at ``dpi``."""
+    figure.set_dpi(dpi)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    boxes = []
+    for text in figure.axes[0].texts:
+        if text.get_text().strip():
+            box = text.get_window_extent(renderer)
+            boxes.append(((box.y0 + box.y1) / 2, box.x0, box.x1, text.get_text()))
+    return boxes
+
+
+def test_module_tree_wraps_a_long_row_of_tensors_inside_its_panel(close_figures):
     figure = plot_module_tree(ManyBuffers())
     tree_ax = figure.axes[0]
-    renderer = figure.canvas.get_renderer()
     labels = [
         text for text in tree_ax.texts if text.get_text().startswith("table_number_")
     ]
-    assert len(labels) == 4  # every buffer is still named, in a smaller font
-    assert all(text.get_fontsize() < 7.5 for text in labels)
-    right_edges = [
-        text.get_window_extent(renderer).transformed(tree_ax.transAxes.inverted()).x1
-        for text in labels
+    assert len(labels) == 4  # every buffer is still named, at the normal font size
+    assert {text.get_fontsize() for text in labels} == {7.5}
+    boxes = tree_text_boxes(figure, 100)
+    rows = {round(box[0]) for box in boxes if box[3].startswith("table_number_")}
+    assert len(rows) > 1  # wrapped onto more than one line
+    panel_right = tree_ax.get_window_extent(figure.canvas.get_renderer()).x1
+    assert max(box[2] for box in boxes) <= panel_right
+
+
+@pytest.mark.parametrize("dpi", [72, 110, 150, 300])
+def test_module_tree_texts_keep_apart_at_any_dpi(close_figures, dpi):
+    from torchbook.models import GPT, GPTConfig
+
+    figure = plot_module_tree(
+        GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, d_model=96))
+    )
+    boxes = sorted(tree_text_boxes(figure, dpi), key=lambda box: (box[0], box[1]))
+    minimum_gap = 2 * dpi / 72  # 2 points, at this dpi
+    collisions = [
+        (left[3], right[3])
+        for left, right in zip(boxes, boxes[1:], strict=False)
+        if abs(left[0] - right[0]) < 1 and right[1] - left[2] < minimum_gap
     ]
-    assert max(right_edges) <= 1.0  # and none runs into the parameter bars
+    assert not collisions, collisions
+
+
+def test_module_tree_legend_lists_only_the_kinds_drawn(close_figures):
+    legend_of = {  # legend entries start with a square
+        name: {t[2:] for t in texts_of(plot_module_tree(model).axes[0]) if t[0] == "■"}
+        for name, model in (("buffers", ManyBuffers()), ("mixed", TiedWithBuffers()))
+    }
+    assert legend_of["buffers"] == {"parameter (trained, saved)", "buffer, not saved"}
+    assert "buffer, saved" in legend_of["mixed"]

@@ -13,8 +13,8 @@ from torch import nn
 
 from tests.tensor_checks import assert_same_tensors, snapshot
 from torchbook import weights
+from torchbook.checkpoint import CheckpointError
 from torchbook.models import GPT, GPTConfig, TinyMLP, rope_tables
-from torchbook.weights import WeightsError
 
 TINY_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32)
 # dropped name, kept name (first in sorted order)
@@ -81,7 +81,7 @@ def test_read_safetensors_restores_the_tied_name_as_the_same_tensor(tmp_path):
 def test_different_views_of_one_storage_are_refused():
     base = torch.zeros(4, 4)
     with pytest.raises(
-        WeightsError, match="shares memory with .* but is a different view"
+        CheckpointError, match="shares memory with .* but is a different view"
     ):
         weights.drop_shared({"a": base, "b": base[1:]})
 
@@ -89,7 +89,7 @@ def test_different_views_of_one_storage_are_refused():
 def test_overlapping_views_are_refused_naming_the_file_not_written(tmp_path):
     base = torch.zeros(4, 4)
     with pytest.raises(
-        WeightsError,
+        CheckpointError,
         match=rf"{tmp_path / 'w.safetensors'}: not written; b: shares memory with a",
     ):
         weights.save_safetensors({"a": base, "b": base[1:]}, tmp_path / "w.safetensors")
@@ -99,7 +99,9 @@ def test_overlapping_views_are_refused_naming_the_file_not_written(tmp_path):
 def test_truncated_safetensors_is_refused_with_its_path(tmp_path):
     path = weights.save_safetensors(TinyMLP(8, 16, 4), tmp_path / "weights.safetensors")
     path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(WeightsError, match=rf"{path}: not a readable safetensors file"):
+    with pytest.raises(
+        CheckpointError, match=rf"{path}: not a readable safetensors file"
+    ):
         weights.load_safetensors(TinyMLP(8, 16, 4), path)
 
 
@@ -110,7 +112,8 @@ def test_architecture_mismatch_names_the_file_and_leaves_the_model_unchanged(tmp
     )
     before = snapshot(deeper)
     with pytest.raises(
-        WeightsError, match=rf"(?s){path}: does not fit GPT .*12 missing keys: blocks.2"
+        CheckpointError,
+        match=rf"(?s){path}: does not fit GPT .*12 missing keys: blocks.2",
     ):
         weights.load_safetensors(deeper, path)
     assert_same_tensors(snapshot(deeper), before)
@@ -150,7 +153,7 @@ def test_legacy_alias_metadata_is_still_read(tmp_path):
 )
 def test_bad_alias_metadata_names_the_file_and_the_field(tmp_path, aliases, message):
     path = legacy_file(tmp_path / "old.safetensors", aliases)
-    with pytest.raises(WeightsError, match=rf"{path}: {message}"):
+    with pytest.raises(CheckpointError, match=rf"{path}: {message}"):
         weights.read_safetensors(path)
 
 
@@ -245,14 +248,14 @@ def test_selective_loading_finds_a_tied_name_in_its_shards_metadata(tmp_path):
 def test_a_malformed_index_names_the_file_and_the_field(tmp_path, index, message):
     path = tmp_path / weights.SAFETENSORS_INDEX
     path.write_bytes(index if isinstance(index, bytes) else index.encode())
-    with pytest.raises(WeightsError, match=rf"{path}: {message}"):
+    with pytest.raises(CheckpointError, match=rf"{path}: {message}"):
         weights.read_sharded_safetensors(tmp_path)
 
 
 def test_a_name_missing_from_the_index_is_named(tmp_path):
     weights.save_sharded_safetensors(fresh_gpt(0), tmp_path, max_shard_bytes=20_000)
     with pytest.raises(
-        WeightsError, match=r"no tensor named \['no.such'\] in field 'weight_map'"
+        CheckpointError, match=r"no tensor named \['no.such'\] in field 'weight_map'"
     ):
         weights.read_sharded_safetensors(tmp_path, names=["no.such"])
 
@@ -288,7 +291,7 @@ def test_load_on_meta_gives_the_same_model_without_initialising_it(tmp_path):
 def test_load_on_meta_without_buffer_init_names_the_buffers_left_on_meta(tmp_path):
     path = weights.save_safetensors(fresh_gpt(0), tmp_path / "gpt.safetensors")
     with pytest.raises(
-        WeightsError,
+        CheckpointError,
         match=r"\['causal_mask', 'rope_cos', 'rope_sin'\] are still on the meta",
     ):
         weights.load_on_meta(
@@ -302,7 +305,7 @@ def test_a_full_disk_during_a_safetensors_save_names_the_file(tmp_path, monkeypa
 
     monkeypatch.setattr(safetensors.torch, "save_file", no_space)
     with pytest.raises(
-        WeightsError, match=rf"{tmp_path / 'w.safetensors'}: could not be written"
+        CheckpointError, match=rf"{tmp_path / 'w.safetensors'}: could not be written"
     ):
         weights.save_safetensors(TinyMLP(8, 16, 4), tmp_path / "w.safetensors")
     assert list(tmp_path.iterdir()) == []

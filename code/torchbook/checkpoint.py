@@ -3,9 +3,9 @@
 - **Weights** (``save_weights`` / ``load_weights``): a ``torch.save`` of the model's ``state_dict``.
   To publish weights, see ``torchbook.weights`` (safetensors).
 - **Training checkpoints** (``save_training_checkpoint`` / ``load_training_checkpoint``): the
-  trainer's ``state_dict()`` (model, optimizer, scheduler, scaler, step, skipped steps, history,
-  steps not yet logged, config), the random generators (Python, NumPy, torch CPU, CUDA, MPS),
-  the data position and the model config.
+  trainer's ``state_dict()`` (model, optimizer, scaler, step, skipped steps, history, steps not
+  yet logged, config), the random generators (Python, NumPy, torch's CPU generator and the
+  training device's, if it is an accelerator), the data position and the model config.
 
 **What a load refuses, and what it trusts.** A load reads the whole file into one typed value
 (``TrainingCheckpoint``, whose trainer part the trainer parses into its own) and applies it only
@@ -13,7 +13,8 @@ when every part is fit, so applying cannot fail half-way. Before anything change
 ``CheckpointError`` naming the file:
 
 - a file of another kind (the format tag and version): its dict would be misread;
-- a truncated or bit-rotted file (the zip's end record, every member's CRC): ``torch.load`` alone
+- a truncated or bit-rotted file (the zip's end record, every member's CRC, unless ``verify=False``
+  or ``mmap=True``, where reading every byte first would defeat the mapping): ``torch.load`` alone
   reads damaged tensor bytes without a word;
 - a pickle that would run code (``weights_only=True``): unpickling can call any function;
 - another architecture (every key, shape and dtype of the model): ``load_state_dict`` copies
@@ -22,15 +23,16 @@ when every part is fit, so applying cannot fail half-way. Before anything change
   torch loads them, and the next step fails;
 - a missing or mistyped field of the envelope (step, history, RNG states, data position, configs),
   or loss scaling switched on or off: applying it would stop half-way;
-- random states that do not restore here (each tried on a private generator; the CUDA and MPS
-  devices they need).
+- random states that do not restore here (each tried on a private generator; a device generator
+  of another kind than the trainer's device).
 
 It does not re-check the values inside a file that this code wrote and whose CRCs hold (a learning
 rate, the numbers of a moment): a file crafted to be valid in format but wrong in content is out of
 scope. Files from strangers are weights, and their format is safetensors. Every file written goes
 through ``torchbook.files.atomic_write`` (a crash leaves the previous file whole), and only if
 ``weights_only`` can read it back. The module builds on ``torchbook.state_dicts`` (the model inside
-a compile or DDP wrapper, and the key/shape/dtype check).
+a compile or DDP wrapper, the key/shape/dtype check, and ``CheckpointError``, which the safetensors
+loaders of ``torchbook.weights`` raise too).
 
 **Rotation keeps the newest written.** A checkpoint's name carries a save sequence beside its step
 (``ckpt-000007-step-00000042.pt``); "latest" and "keep the last N" follow the sequence, never the
@@ -63,18 +65,18 @@ from torch import nn
 from torch.serialization import get_unsafe_globals_in_checkpoint
 
 from torchbook.files import atomic_write, is_temporary
-from torchbook.state_dicts import state_dict_problems, unwrap_model, unwrap_state_dict
+from torchbook.state_dicts import (
+    CheckpointError,
+    check_state_dict,
+    unwrap_model,
+    unwrap_state_dict,
+)
 
 # Written into every training checkpoint so a file of another kind is recognised.
 TRAINING_FORMAT = "torchbook.training_checkpoint"
-TRAINING_FORMAT_VERSION = (
-    3  # 3: unlogged steps as StepResult dicts, the random states as plain values
-)
+# 4: the random states of the training device only; no scheduler of the Trainer's own
+TRAINING_FORMAT_VERSION = 4
 CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d{6,})-step-(\d{8,})\.pt$")
-
-
-class CheckpointError(Exception):
-    """A checkpoint cannot be written or read as asked; the message names the file and the problem."""
 
 
 # --------------------------------------------------------------------------- reading torch files
@@ -130,10 +132,10 @@ def read_torch_file(
             "tensors and plain values, and rebuilding them could run code; load it with "
             f"weights_only=False only if you made the file yourself. (torch: {detail})"
         ) from error
-    # torch raises RuntimeError, KeyError, ... depending on the damage
+    # RuntimeError, KeyError, ... for damage; OSError or MemoryError for the machine
     except Exception as error:
         raise CheckpointError(
-            f"{path}: corrupt torch.save file{_damaged_member(path)}: "
+            f"{path}: could not be read{_damaged_member(path)}: "
             f"{type(error).__name__}: {_first_line(error)}"
         ) from error
 
@@ -191,11 +193,20 @@ def save_weights(model: nn.Module, path: str | Path) -> Path:
 
 
 def load_weights(
-    model: nn.Module, path: str | Path, *, mmap: bool = False
+    model: nn.Module,
+    path: str | Path,
+    *,
+    mmap: bool = False,
+    verify: bool | None = None,
 ) -> nn.Module:
-    """Load the weights of ``save_weights`` (any ``torch.save(state_dict)``) or of a training checkpoint, checked first."""
+    """Load the weights of ``save_weights`` (any ``torch.save(state_dict)``) or of a training checkpoint, checked first.
+
+    ``verify`` (default: ``not mmap``) checks every CRC, which reads the whole file: under ``mmap=True``
+    that would read every page the mapping saves, so it is off unless asked for.
+    """
     path = Path(path)
-    state_dict = read_torch_file(path, mmap=mmap)
+    verify = not mmap if verify is None else verify
+    state_dict = read_torch_file(path, mmap=mmap, verify=verify)
     if isinstance(state_dict, Mapping) and state_dict.get("format") == TRAINING_FORMAT:
         # to evaluate or publish a run's weights
         state_dict = state_dict["trainer"]["model"]
@@ -204,10 +215,7 @@ def load_weights(
             f"{path}: holds a {type(state_dict).__name__}, expected a state_dict (a dict of tensors)"
         )
     state_dict = unwrap_state_dict(state_dict)
-    _refuse(
-        state_dict_problems(model, state_dict),
-        f"{path}: does not fit {type(unwrap_model(model)).__name__} (architecture mismatch); nothing was loaded",
-    )
+    check_state_dict(model, state_dict, path)
     unwrap_model(model).load_state_dict(state_dict, strict=True)
     return model
 
@@ -235,15 +243,16 @@ def config_differences(
 
 
 # --------------------------------------------------------------------------- random number generators
-def capture_rng_state() -> dict[str, Any]:
-    """The global random states: Python, NumPy, torch CPU, every CUDA device and MPS (where present).
+def capture_rng_state(device: torch.device | str) -> dict[str, Any]:
+    """The global random states: Python, NumPy, torch's CPU generator and, on an accelerator, ``device``'s.
 
-    NumPy's state holds an ndarray, which ``weights_only=True`` refuses: its 624 key words are stored as a list,
-    which ``np.random.set_state`` takes back as it is.
+    Only the training device's generator: a CPU run on a CUDA machine saves none, so it resumes on any
+    machine. NumPy's state holds an ndarray, which ``weights_only=True`` refuses: its 624 key words are
+    stored as a list, which ``np.random.set_state`` takes back as it is.
     """
-    algorithm, keys, position, has_gauss, cached_gaussian = np.random.get_state(
-        legacy=True
-    )
+    device = torch.device(device)
+    algorithm, keys, position, has_gauss, cached = np.random.get_state(legacy=True)
+    accelerator = torch.get_device_module(device) if device.type != "cpu" else None
     return {
         "python": random.getstate(),  # (version, 625 ints, gauss): plain values already
         "numpy": [
@@ -251,67 +260,54 @@ def capture_rng_state() -> dict[str, Any]:
             keys.tolist(),
             int(position),
             int(has_gauss),
-            float(cached_gaussian),
+            float(cached),
         ],
         "torch_cpu": torch.get_rng_state(),
-        "torch_cuda": torch.cuda.get_rng_state_all()
-        if torch.cuda.is_available()
-        else [],
-        "torch_mps": torch.mps.get_rng_state()
-        if torch.backends.mps.is_available()
-        else None,
+        # {"cuda": state} for a run on CUDA (that device's generator), {} on the CPU
+        "torch_device": {device.type: accelerator.get_rng_state(device)}
+        if accelerator
+        else {},
     }
 
 
 def rng_state_problems(saved: Any) -> list[str]:
     """Why ``saved`` (``capture_rng_state``'s dict) is not a set of random states; empty when it is.
 
-    Each CPU state is tried on a private generator, so each library checks its own; the device states
-    must be tensors. Whether this machine has their devices is ``rng_device_problems``'s question.
+    Each CPU state is tried on a private generator, so each library checks its own; a device state must
+    be a tensor. Whether the trainer's device can take it is ``rng_device_problems``'s question.
     """
     try:
         random.Random().setstate(saved["python"])
         np.random.RandomState().set_state(tuple(saved["numpy"]))
         torch.Generator().set_state(saved["torch_cpu"])
-        cuda, mps = list(saved["torch_cuda"]), saved["torch_mps"]
+        device_states = dict(saved["torch_device"])
     except Exception as error:  # noqa: BLE001 -- a wrong type, length or value: each library raises its own
         return [f"rng: not restorable ({type(error).__name__}: {error})"]
-    if not all(
-        isinstance(state, torch.Tensor) for state in [*cuda, mps] if state is not None
-    ):
-        return ["rng: the CUDA and MPS states must be tensors"]
+    if not all(isinstance(state, torch.Tensor) for state in device_states.values()):
+        return ["rng: a device generator's state must be a tensor"]
     return []
 
 
-def rng_device_problems(saved: Mapping[str, Any]) -> list[str]:
-    """What this machine lacks to restore the device states of a checked ``saved``: CUDA devices, an MPS device."""
-    cuda, here = (
-        saved["torch_cuda"],
-        torch.cuda.device_count() if torch.cuda.is_available() else 0,
-    )
-    problems = (
-        [
-            f"rng['torch_cuda']: states for {len(cuda)} CUDA devices in the file, {here} here"
+def rng_device_problems(
+    saved: Mapping[str, Any], device: torch.device | str
+) -> list[str]:
+    """Whether a checked ``saved`` has a device generator that training on ``device`` cannot take."""
+    kinds = sorted(saved["torch_device"])
+    if kinds and kinds != [torch.device(device).type]:
+        return [
+            f"rng: a {kinds[0]} generator state in the file, training on {device} here; "
+            "pass restore_rng=False to resume without the random states"
         ]
-        if cuda and len(cuda) != here
-        else []
-    )
-    if saved["torch_mps"] is not None and not torch.backends.mps.is_available():
-        problems.append(
-            "rng['torch_mps']: an MPS state in the file, no MPS device here"
-        )
-    return problems
+    return []
 
 
-def restore_rng_state(saved: Mapping[str, Any]) -> None:
-    """Set every global generator from ``capture_rng_state``'s dict; with neither kind of problem, none fails."""
+def restore_rng_state(saved: Mapping[str, Any], device: torch.device | str) -> None:
+    """Set the global generators from ``capture_rng_state``'s dict; with neither kind of problem, none fails."""
     random.setstate(saved["python"])
     np.random.set_state(tuple(saved["numpy"]))
     torch.set_rng_state(saved["torch_cpu"])
-    if saved["torch_cuda"]:
-        torch.cuda.set_rng_state_all(saved["torch_cuda"])
-    if saved["torch_mps"] is not None:
-        torch.mps.set_rng_state(saved["torch_mps"])
+    for kind, state in saved["torch_device"].items():
+        torch.get_device_module(kind).set_rng_state(state, torch.device(device))
 
 
 # --------------------------------------------------------------------------- training checkpoints
@@ -348,13 +344,14 @@ def save_training_checkpoint(
     folder: str | Path,
     trainer_state: Mapping[str, Any],
     *,
+    device: torch.device | str,
     data_state: Mapping[str, Any] | None = None,
     model_config: Any = None,
     keep_last: int = 3,
 ) -> Path:
     """Write ``trainer_state`` (``Trainer.state_dict()``), the RNG states and the data position; keep ``keep_last``.
 
-    Call it after an optimizer step, before the next batch is drawn. The name takes the next sequence
+    ``device`` is the training device, whose generator is saved beside the CPU's. Call it after an optimizer step, before the next batch is drawn. The name takes the next sequence
     past every name in ``folder`` that looks like a checkpoint. Nothing is written unless ``weights_only``
     can read it back; older checkpoints are deleted only once the new one is durable, never the new one.
     """
@@ -364,11 +361,7 @@ def save_training_checkpoint(
             f"{folder}: keep_last={keep_last!r}; must be an int >= 1, or the new checkpoint "
             "would be deleted"
         )
-    step = trainer_state.get("step")
-    if type(step) is not int or step < 0:
-        raise CheckpointError(
-            f"{folder}: trainer_state['step'] is {step!r}; expected Trainer.state_dict()'s int step"
-        )
+    step = trainer_state["step"]  # Trainer.state_dict()'s int
     taken = [
         int(m.group(1))
         for m in map(CHECKPOINT_PATTERN.match, (p.name for p in folder.glob("ckpt-*")))
@@ -381,7 +374,7 @@ def save_training_checkpoint(
             "format": TRAINING_FORMAT,
             "format_version": TRAINING_FORMAT_VERSION,
             "trainer": dict(trainer_state),
-            "rng": capture_rng_state(),
+            "rng": capture_rng_state(device),
             "data": dict(data_state) if data_state is not None else None,
             "model_config": config_as_dict(model_config),
         },
@@ -466,7 +459,9 @@ def load_training_checkpoint(
     the returned checkpoint's ``config_changes(trainer.config)``.
     """
     checkpoint = read_training_checkpoint(path)
-    problems = rng_device_problems(checkpoint.rng) if restore_rng else []
+    problems = (
+        rng_device_problems(checkpoint.rng, trainer.device) if restore_rng else []
+    )
     if model_config is not None:
         problems += [
             f"model configuration: {line}"
@@ -482,5 +477,5 @@ def load_training_checkpoint(
             f"{checkpoint.path}: cannot be restored; nothing was loaded:\n  {error}"
         ) from error
     if restore_rng:
-        restore_rng_state(checkpoint.rng)
+        restore_rng_state(checkpoint.rng, trainer.device)
     return checkpoint

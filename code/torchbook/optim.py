@@ -1,10 +1,14 @@
 """The book's optimizer and learning-rate schedule: AdamW in two groups, warmup + cosine.
 
-The ``Trainer`` takes any optimizer and scheduler; this module builds the
-default one, the way most LLM training runs set it up. ``OptimizerConfig``
-holds what they are built from, and ``train.TrainConfig`` extends it.
-``apply_config`` sets an already loaded optimizer and schedule to a config,
-which is how a resumed run takes a changed learning rate.
+The ``Trainer`` takes any optimizer; this module builds the default one, the
+way most LLM training runs set it up. ``OptimizerConfig`` holds what it is
+built from, and ``train.TrainConfig`` extends it. The schedule is a plain
+function of the step, ``learning_rate(step, config)``, and the ``Trainer``
+writes it into every group before each step (``set_learning_rate``), as
+nanoGPT does: nothing about the schedule is saved, so a resumed run that
+changes the config simply takes the new rate. ``build_schedule`` wraps the
+same function in a ``LambdaLR`` for a loop of your own that calls
+``scheduler.step()``.
 
 Torch's ``Optimizer.load_state_dict`` checks the number of groups and of
 parameters in each, but loads moments of any shape and takes every group
@@ -97,24 +101,24 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_schedule(
-    optimizer: torch.optim.Optimizer, config: OptimizerConfig
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warmup + cosine (``learning_rate``) as a ``LambdaLR``: each group's lr times ``learning_rate / config.lr``."""
+def set_learning_rate(
+    optimizer: torch.optim.Optimizer, step: int, config: OptimizerConfig
+) -> float:
+    """Write ``learning_rate(step, config)`` into every group; return it.
 
-    # LambdaLR multiplies each group's base lr by this
-    def lr_factor(
-        step: int,
-    ) -> float:
-        return learning_rate(step, config) / config.lr
+    Called before each optimizer step, this is the whole schedule: no state to
+    save, and a resumed run with a changed config uses the new rate at once.
+    """
+    rate = learning_rate(step, config)
+    for group in optimizer.param_groups:
+        group["lr"] = rate
+    return rate
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
-
-def build_optimizer(
+def build_adamw(
     model: nn.Module, config: OptimizerConfig, device: torch.device | None = None
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """The book's AdamW (decay and no-decay groups) and its warmup + cosine schedule.
+) -> torch.optim.AdamW:
+    """The book's AdamW: decay and no-decay groups, at the first step's rate.
 
     ``fused=True`` (one kernel for all parameters, not several per operation) where
     the device has the kernel and every parameter is floating point. ``device``
@@ -127,39 +131,44 @@ def build_optimizer(
     fused = torch.device(device).type in FUSED_DEVICE_TYPES and all(
         p.is_floating_point() for p in parameters
     )
-    optimizer = torch.optim.AdamW(
-        groups, lr=config.lr, betas=config.betas, fused=fused or None
+    return torch.optim.AdamW(
+        groups, lr=learning_rate(0, config), betas=config.betas, fused=fused or None
     )
+
+
+def build_schedule(
+    optimizer: torch.optim.Optimizer, config: OptimizerConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """``learning_rate`` as a ``LambdaLR``, for a loop that calls ``scheduler.step()``.
+
+    LambdaLR multiplies each group's rate at construction by the factor, so a
+    group built with ``config.lr`` follows ``learning_rate`` exactly.
+    """
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: learning_rate(step, config) / config.lr
+    )
+
+
+def build_optimizer(
+    model: nn.Module, config: OptimizerConfig, device: torch.device | None = None
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """``build_adamw`` and its ``build_schedule``, for a hand-written loop."""
+    optimizer = build_adamw(model, config, device)
+    for group in optimizer.param_groups:
+        group["lr"] = config.lr  # LambdaLR's base rate
     return optimizer, build_schedule(optimizer, config)
 
 
-def apply_config(
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LambdaLR,
-    config: OptimizerConfig,
-) -> None:
-    """Set a loaded ``build_optimizer`` pair to ``config``, as if built with it and stepped ``last_epoch`` times.
+def apply_config(optimizer: torch.optim.Optimizer, config: OptimizerConfig) -> None:
+    """Set a loaded ``build_adamw`` optimizer's betas and weight decay to ``config``.
 
-    A loaded ``LambdaLR`` keeps the saved base rates while its factor comes from
-    the new config; this sets both, so the next step uses ``learning_rate(step,
-    config)``. With the config the state was saved with, every value is the
-    loaded one, bit for bit.
+    A loaded state brings the settings it was saved with; a resumed run takes
+    its config's. The learning rate needs nothing: it is set before each step.
     """
-    for group, decay in zip(
-        optimizer.param_groups, (config.weight_decay, 0.0), strict=True
-    ):
-        group["initial_lr"] = config.lr
+    decays = (config.weight_decay, 0.0)  # build_adamw's two groups
+    for group, decay in zip(optimizer.param_groups, decays, strict=True):
         group["betas"] = tuple(config.betas)
         group["weight_decay"] = decay
-    scheduler.base_lrs = [config.lr for _ in optimizer.param_groups]
-    # LambdaLR's own formula at last_epoch, so the schedule's next steps continue from it.
-    rates = [
-        base * factor(scheduler.last_epoch)
-        for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
-    ]
-    for group, rate in zip(optimizer.param_groups, rates, strict=True):
-        group["lr"] = rate
-    scheduler._last_lr = rates
 
 
 # ----- loading a saved state -----

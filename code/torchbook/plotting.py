@@ -6,7 +6,8 @@ each with ``step`` and some of ``loss``, ``val_loss``, ``lr``, ``grad_norm``,
 key); ``plot_diagnostics`` draws the three signals that explain a loss curve:
 the learning rate, the gradient norm before clipping against the clip
 threshold, and the throughput; ``plot_memory_by_kind`` stacks chapter 7's
-predicted memory per kind against the sequence length.
+predicted memory per kind against the sequence length; ``plot_resume_runs``
+draws chapter 5's killed and resumed runs beside the uninterrupted one.
 This module needs only matplotlib, so it plots histories from anywhere
 (a live run, or results saved as JSON on another machine).
 """
@@ -181,9 +182,9 @@ def plot_memory_by_kind(
             positions, heights, bottom=bottom, width=0.6, label=f"{kind} (predicted)"
         )
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    for (label, values), marker in zip(
-        (measured or {}).items(), ("o", "D", "s"), strict=True
-    ):
+    measured = measured or {}
+    markers = ("o", "D", "s")[: len(measured)]  # up to three measurements
+    for (label, values), marker in zip(measured.items(), markers, strict=True):
         ax.plot(
             positions,
             [value / 1e6 for value in values],
@@ -199,3 +200,46 @@ def plot_memory_by_kind(
     ax.legend(fontsize=8, frameon=False, loc="upper left")
     ax.spines[["top", "right"]].set_visible(False)
     return ax
+
+
+# Chapter 5's four runs: the uninterrupted one, the resumed one and two controls.
+RESUME_RUNS = {
+    "A": ("A: uninterrupted", {"color": "tab:blue"}),
+    "B": ("B: killed, then resumed", {"color": "tab:orange", "marker": "o", "ls": ""}),
+    "C": ("C: resumed without RNG state", {"color": "tab:red", "ls": ":"}),
+    "D": ("D: resumed at the first batch", {"color": "tab:green", "ls": "--"}),
+}
+
+
+def plot_resume_runs(
+    runs: Mapping[str, Mapping[str, Sequence[float]]], resume_step: int
+) -> Figure:
+    """Loss per step of chapter 5's runs A-D (``steps``, ``losses``), and each one's loss minus A's.
+
+    The difference panel is linear within 1e-4 and logarithmic beyond, so an exact
+    zero (a bit-exact resume) and the controls' small gaps are both visible.
+    """
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2)
+    )
+    reference = runs["A"]["losses"]
+    for name, (label, style) in RESUME_RUNS.items():
+        steps, losses = runs[name]["steps"], runs[name]["losses"]
+        top.plot(steps, losses, label=label, markersize=4, **style)
+        if name != "A":
+            gap = [loss - ref for loss, ref in zip(losses, reference, strict=True)]
+            color = style["color"]
+            bottom.plot(
+                steps, gap, "o-", markersize=3, color=color, label=f"{name} minus A"
+            )
+    top.set_ylabel("training loss (nats per token)")
+    bottom.set_yscale("symlog", linthresh=1e-4)
+    bottom.set_yticks([-1e-2, -1e-4, 0, 1e-4, 1e-2])
+    bottom.set_ylabel("loss minus A's")
+    bottom.set_xlabel("optimizer step")
+    for axis in (top, bottom):
+        axis.axvline(resume_step, color="gray", linestyle="--", linewidth=1)
+    top.legend(title=f"killed after step {resume_step} (dashed)")
+    bottom.legend(loc="lower left", fontsize="small")
+    fig.tight_layout()
+    return fig

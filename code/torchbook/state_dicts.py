@@ -6,12 +6,14 @@ wrapper does not load into the plain model. Here is the one unwrap of a module
 and of a ``state_dict``, and the one comparison of keys, shapes and dtypes that
 ``checkpoint``, ``weights`` and ``train`` make before loading: ``load_state_dict``
 copies every tensor that fits before it raises, so a model checked afterwards
-is already half-loaded.
+is already half-loaded. ``CheckpointError`` is the one error both file formats
+(``torch.save`` in ``checkpoint``, safetensors in ``weights``) raise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +22,10 @@ from torch import nn
 # The prefixes wrappers add to every key: torch.compile's OptimizedModule, then DDP.
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 LISTED_KEYS = 12  # an error lists at most this many keys, then how many more
+
+
+class CheckpointError(Exception):
+    """A weights or checkpoint file cannot be written or read as asked; the message names the file."""
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -78,3 +84,15 @@ def state_dict_problems(model: nn.Module, state_dict: Mapping[str, Any]) -> list
                 f"{target.dtype} {tuple(target.shape)} in the model"
             )
     return problems
+
+
+def check_state_dict(
+    model: nn.Module, state_dict: Mapping[str, Any], source: str | Path
+) -> None:
+    """Raise ``CheckpointError`` naming ``source`` unless ``state_dict`` fits ``model``; nothing is loaded."""
+    problems = state_dict_problems(model, state_dict)
+    if problems:
+        raise CheckpointError(
+            f"{source}: does not fit {type(unwrap_model(model)).__name__} (architecture "
+            "mismatch); nothing was loaded:\n  " + "\n  ".join(problems)
+        )

@@ -3,39 +3,31 @@
 A step over ``accum_steps`` micro-batches counts the target tokens, runs the
 forward under ``torch.autocast`` with the loss in float32 (summed over tokens
 and divided by the step's count: the gradient of the *mean* loss over the whole
-step), backpropagates through the fp16 loss scaler, clips, steps, advances the
-schedule and zeroes the gradients; the numbered comments follow that order.
+step), backpropagates through the fp16 loss scaler, clips, sets the learning
+rate, steps and zeroes the gradients; the numbered comments follow that order.
 Losses stay on the device and are read to the host (a sync) only every
-``log_every`` steps, when a ``history`` row is written; a non-finite loss is
-noticed then, and the error names the step where it started. In fp16 the step
-also reads the loss scale, to know whether the scaler skipped it.
+``log_every`` steps, when a ``history`` row is written. A NaN or inf gradient
+norm is recorded on the device at its step (fp32, bf16: nothing skips it), and
+``log`` and ``state_dict`` raise ``NonFiniteLossError`` naming that step. In
+fp16 the scaler skips such steps; the step reads the scale (a sync) to know.
 
-**The step is the API.** ``Trainer.train_step(micro_batches)`` is what every
-script calls, each inside a short loop of its own: ``charlm.train_char_lm``
-validates every few steps with ``add_val_loss``, ``examples/resume_demo.py``
-saves every few steps, ``examples/train_ddp.py`` counts all-reduces.
-
-The ``Trainer`` owns the training state: ``state_dict()`` holds tensors and
-plain values (``torch.load(..., weights_only=True)`` reads it), and
-``load_state_dict`` parses all of it into a ``TrainerState`` before changing
-anything, so that loading cannot fail half-way. It builds on
-``torchbook.optim`` (the default optimizer and schedule, the optimizer's
-layout check) and ``torchbook.state_dicts`` (the model inside a compile or DDP
-wrapper, and its key/shape check).
+**The step is the API**: ``Trainer.train_step(micro_batches)``, called by each
+script in a short loop of its own. ``load_state_dict`` parses all of a saved
+state into a ``TrainerState`` before changing anything. It builds on
+``torchbook.optim`` and ``torchbook.state_dicts``. The loop draws no random
+numbers: the caller seeds them.
 
 **Distributed.** With more than one rank the model must be DDP or FSDP2, which
 *average* gradients: the step all-reduces the token count, scales each loss by
 the world size (the gradient of the global mean, however tokens fall per rank)
 and synchronises gradients on the last micro-batch only. ``state_dict`` suits
 one process or DDP; FSDP2's sharded weights need ``torch.distributed.checkpoint``.
-The loop draws no random numbers: the caller seeds initialisation, dropout and data.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,56 +38,59 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from torchbook.device import AUTOCAST_DTYPES
 from torchbook.optim import (
     OptimizerConfig,
     apply_config,
-    build_optimizer,
-    build_schedule,
+    build_adamw,
     load_optimizer_state,
     optimizer_layout_problems,
+    set_learning_rate,
 )
 from torchbook.state_dicts import state_dict_problems, unwrap_model
 
 # Targets equal to this are not scored (padding, prompt tokens): cross_entropy's own default.
 IGNORE_INDEX = -100
 Batch = tuple[Tensor, Tensor]  # (inputs, targets)
+# fp16 steps the scaler may skip in a row: from its initial 2**16 the scale is then
+# 2**-8, and gradients that still overflow come from a forward pass that does.
+MAX_SKIPS_IN_A_ROW = 24
 
 
 class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite (fp32 or bf16, where nothing skips the step)."""
+    """The loss or gradient became NaN or infinite, or fp16 overflowed step after step."""
 
 
 @dataclass
 class TrainConfig(OptimizerConfig):
-    """Everything the loop needs to know besides the model and the data.
+    """Everything the loop needs besides the model and the data.
 
-    The first six fields (``max_steps``, ``lr``, ``min_lr``, ``warmup_steps``,
-    ``weight_decay``, ``betas``) come from ``OptimizerConfig``: the default
-    optimizer and schedule are built from them.
+    The first six fields, ``OptimizerConfig``'s, make the optimizer and the schedule.
     """
 
     accum_steps: int = 1  # micro-batches per optimizer step
-    max_grad_norm: float | None = (
-        1.0  # clip the total gradient norm to this; None: no clipping
-    )
-    precision: str = (
-        "fp32"  # "fp32" | "bf16" | "fp16" (autocast dtype of the forward pass)
-    )
+    # clip the total gradient norm to this; None: no clipping
+    max_grad_norm: float | None = 1.0
+    # "fp32" | "bf16" | "fp16": the autocast dtype of the forward pass
+    precision: str = "fp32"
     log_every: int = 10  # steps between history rows, i.e. between host syncs
+    # >1: the head and the loss over this many slices of the sequence (a GPT only)
+    loss_chunks: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.precision not in AUTOCAST_DTYPES:
             raise ValueError(
-                f"TrainConfig.precision must be one of {sorted(AUTOCAST_DTYPES)}, got {self.precision!r}"
+                f"TrainConfig.precision must be one of {sorted(AUTOCAST_DTYPES)}, "
+                f"got {self.precision!r}"
             )
-        for name in ("accum_steps", "log_every"):
+        for name in ("accum_steps", "log_every", "loss_chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(
-                    f"TrainConfig.{name} must be a positive int, got {value!r}"
+                    f"TrainConfig.{name}: expected an int >= 1, got {value!r}"
                 )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(
@@ -105,18 +100,15 @@ class TrainConfig(OptimizerConfig):
 
 @dataclass
 class StepResult:
-    """One optimizer step's numbers, as ``train_step`` returns them; the tensors stay on the device.
-
-    The steps since the last history row wait in this form until ``log`` reads them all at once (one sync).
-    """
+    """One optimizer step's numbers, as ``train_step`` returns them; the tensors stay on the device
+    until ``log`` reads the steps since the last history row all at once (one sync)."""
 
     step: int  # the step count after this step (unchanged when it was skipped)
     lr: float  # the learning rate this step used
     loss: Tensor  # mean loss over the step's target tokens (global across ranks when distributed)
     grad_norm: Tensor  # total gradient norm before clipping
-    target_tokens: (
-        Tensor  # the step's target-token count (global across ranks when distributed)
-    )
+    # the step's target-token count (global across ranks when distributed)
+    target_tokens: Tensor
     skipped: bool  # True when the fp16 scaler skipped the step (step and schedule did not advance)
 
 
@@ -125,11 +117,9 @@ class TrainerState:
     """A saved ``Trainer.state_dict()``, parsed and checked against a trainer: loading it cannot fail half-way."""
 
     model: dict[str, Tensor]  # keys, shapes and dtypes checked
-    # layout checked: groups, parameters, amsgrad, moment shapes
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any]
-    # empty when loss scaling is off (fp32, bf16); must match this trainer
-    scaler: dict[str, Any]
+    optimizer: dict[str, Any]  # layout checked: groups, parameters, moment shapes
+    scheduler: dict[str, Any]  # {} unless a scheduler was passed
+    scaler: dict[str, Any]  # {} without loss scaling (fp32, bf16)
     step: int
     skipped_steps: int
     history: list[dict]
@@ -138,22 +128,51 @@ class TrainerState:
     config: dict[str, Any]
 
 
-def summed_loss(model: nn.Module, x: Tensor, y: Tensor, precision: str) -> Tensor:
+def summed_loss(
+    model: nn.Module, x: Tensor, y: Tensor, precision: str, loss_chunks: int = 1
+) -> Tensor:
     """The forward under autocast in ``precision``, then cross-entropy *summed* over ``y``'s target tokens.
 
     The loss is taken outside autocast, on logits cast to float32: log-softmax over a large vocabulary
     loses digits in bf16/fp16. A sum, so that the step divides by the token count of all its micro-batches.
+    With ``loss_chunks`` > 1 (a GPT) the model returns its final hidden states, and the head and the loss
+    run over that many slices of the sequence, each under ``checkpoint``: one slice's float32 logits exist
+    at a time, in the backward pass too, instead of all (tokens, vocab_size) of them.
     """
     with torch.autocast(
         x.device.type, dtype=AUTOCAST_DTYPES[precision], enabled=precision != "fp32"
     ):
-        logits = model(x)
+        out = model(x) if loss_chunks == 1 else model(x, return_hidden=True)
+    if loss_chunks == 1:
+        return _cross_entropy_sum(out, y)
+    head = unwrap_model(model).lm_head
+    pieces = zip(
+        out.chunk(loss_chunks, dim=1), y.chunk(loss_chunks, dim=1), strict=True
+    )
+    return sum(
+        checkpoint(_head_loss, head, h, t, precision, use_reentrant=False)
+        for h, t in pieces
+    )
+
+
+def _cross_entropy_sum(logits: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(
         logits.float().flatten(0, -2),
         y.flatten(),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+
+
+def _head_loss(head: nn.Module, hidden: Tensor, y: Tensor, precision: str) -> Tensor:
+    """One slice of a chunked loss: the head under autocast, cross-entropy in float32."""
+    with torch.autocast(
+        hidden.device.type,
+        dtype=AUTOCAST_DTYPES[precision],
+        enabled=precision != "fp32",
+    ):
+        logits = head(hidden)
+    return _cross_entropy_sum(logits, y)
 
 
 def _world_size() -> int:
@@ -163,32 +182,37 @@ def _world_size() -> int:
 def _check_model(model: nn.Module, device: torch.device) -> None:
     """Raise unless every tensor of ``model`` is on ``device`` (where AdamW creates its moments) and, with
     several ranks, the model is DDP or FSDP (which average gradients over the ranks)."""
-    for name, tensor in itertools.chain(
-        model.named_parameters(), model.named_buffers()
-    ):
-        if tensor.device.type != device.type or device.index not in (
-            None,
-            tensor.device.index,
-        ):
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        where = tensor.device
+        if where.type != device.type or device.index not in (None, where.index):
             raise ValueError(
-                f"Trainer: model tensor {name!r} is on {tensor.device}, expected {device}; "
+                f"Trainer: model tensor {name!r} is on {where}, expected {device}; "
                 f"call model.to({str(device)!r}) before building the Trainer"
             )
-    if _world_size() > 1 and not (
-        hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync")
-    ):
+    averages = hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync")
+    if _world_size() > 1 and not averages:
         raise ValueError(
             f"Trainer: torch.distributed runs {_world_size()} ranks but {type(model).__name__} is "
             "neither DDP nor FSDP; wrap the model so that its gradients are averaged over the ranks"
         )
 
 
+def _gradient_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """Context for one micro-batch's backward: synchronise gradients over ranks on the last one only."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(last)
+    elif not last and hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
 class Trainer:
     """Trains ``model`` (inputs -> logits) with clipping, mixed precision and a learning-rate schedule.
 
-    ``optimizer`` and ``scheduler`` default to ``build_optimizer``'s (a passed optimizer alone gets its
-    schedule). ``step`` counts optimizer steps (fp16 steps the scaler skipped count in ``skipped_steps``);
-    ``history`` has a row per logged step: ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_second``.
+    ``optimizer`` defaults to ``build_adamw``'s, and before each step the Trainer writes
+    ``learning_rate(step, config)`` into it, unless a ``scheduler`` comes with the optimizer.
+    ``step`` counts optimizer steps (fp16 steps the scaler skipped: ``skipped_steps``);
+    ``history`` has a row per logged step: step, loss, lr, grad_norm, tokens_per_second.
     """
 
     def __init__(
@@ -202,44 +226,31 @@ class Trainer:
         device = torch.device(device)
         _check_model(model, device)
         if scheduler is not None and optimizer is None:
-            raise ValueError(
-                "Trainer: a scheduler was passed without its optimizer; pass both"
-            )
+            raise ValueError("Trainer: a scheduler was passed without its optimizer")
         self.model, self.config, self.device = model, config, device
-        # built from config, so load_state_dict sets it to config
-        self.owns_optimizer = optimizer is None
-        if optimizer is None:
-            optimizer, scheduler = build_optimizer(model, config, device)
-        elif scheduler is None:
-            scheduler = build_schedule(optimizer, config)
-        self.optimizer, self.scheduler = optimizer, scheduler
+        self.owns_optimizer = optimizer is None  # so a load sets it to config
+        self.optimizer = optimizer or build_adamw(model, config, device)
+        self.scheduler = scheduler  # None: the Trainer sets the rate itself
         # Loss scaling only for fp16, whose narrow exponent range flushes small gradients to zero.
         self.scaler = torch.amp.GradScaler(
             device.type, enabled=config.precision == "fp16"
         )
-        self.step, self.skipped_steps = 0, 0
+        self.step, self.skipped_steps, self._skips_in_a_row = 0, 0, 0
         self.history: list[dict] = []
         self._unlogged: list[StepResult] = []  # steps not yet in history
+        # the first step with a NaN or inf gradient norm (0: none), kept on the device
+        self._nonfinite_step = torch.zeros((), dtype=torch.int64, device=device)
         self._interval_started = time.perf_counter()
 
     # ----- one optimizer step, in its named parts -----
 
-    def _gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
-        """Context for one micro-batch's backward: synchronise gradients over ranks on the last one only."""
-        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
-            self.model.set_requires_gradient_sync(last)
-        elif not last and hasattr(self.model, "no_sync"):  # DDP
-            return self.model.no_sync()
-        return contextlib.nullcontext()
-
     def accumulate_gradients(
         self, micro_batches: Sequence[Batch]
     ) -> tuple[Tensor, Tensor]:
-        """Parts 1-3 over ``micro_batches``; returns (mean loss, target tokens) as device tensors.
+        """Parts 1-3 over ``micro_batches``; returns (mean loss, target tokens) on the device.
 
-        Dividing each summed loss by the token count of *all* micro-batches makes
-        the accumulated gradient exactly one big batch's, however the sizes and
-        ignored tokens are spread.
+        Each summed loss is divided by the token count of *all* micro-batches, so the
+        accumulated gradient is exactly one big batch's, however the tokens are spread.
         """
         batches = [
             (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
@@ -250,111 +261,103 @@ class Trainer:
         target_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
         if world_size > 1:
             dist.all_reduce(target_tokens, op=dist.ReduceOp.SUM)
-        # at least 1, so an all-ignored step gives loss 0
-        target_tokens = target_tokens.clamp(min=1)
+        target_tokens = target_tokens.clamp(min=1)  # an all-ignored step: loss 0
         step_loss = torch.zeros((), device=self.device)
         self.model.train()
         for index, (x, y) in enumerate(batches):
-            with self._gradient_sync(last=index == len(batches) - 1):
+            with _gradient_sync(self.model, last=index == len(batches) - 1):
                 # 2. forward in low precision, loss in float32, divided by the whole step's token count.
                 loss = (
-                    summed_loss(self.model, x, y, self.config.precision) / target_tokens
+                    summed_loss(
+                        self.model, x, y, self.config.precision, self.config.loss_chunks
+                    )
+                    / target_tokens
                 )
                 # 3. backward; gradients add up in .grad across micro-batches. DDP/FSDP average
                 #    over ranks, so times world_size gives the sum: the global mean's gradient.
-                self.scaler.scale(
-                    loss * world_size if world_size > 1 else loss
-                ).backward()
+                self.scaler.scale(loss * world_size).backward()
             step_loss += loss.detach()
-        if world_size > 1:
-            # each rank's share of the global mean
+        if world_size > 1:  # each rank holds its share of the global mean
             dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
         return step_loss, target_tokens
 
     def clip_gradients(self) -> Tensor:
         """Part 4: unscale (fp16: a scaled norm is ``scale`` times too large), then clip; returns the norm before.
 
-        Without ``max_grad_norm`` the clip is at infinity: every gradient is multiplied by exactly 1.0, and the
-        norm is still measured for the history.
+        Without ``max_grad_norm`` the clip is at infinity (a multiplication by exactly 1.0).
         """
         self.scaler.unscale_(self.optimizer)
-        parameters = [
-            p for group in self.optimizer.param_groups for p in group["params"]
-        ]
+        parameters = [p for g in self.optimizer.param_groups for p in g["params"]]
         norm = torch.nn.utils.clip_grad_norm_(
             parameters, self.config.max_grad_norm or math.inf
         )
-        # FSDP2 returns the norm as a replicated DTensor; the whole value is on every rank.
-        return (
-            norm.full_tensor().detach()
-            if hasattr(norm, "full_tensor")
-            else norm.detach()
-        )
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor, whole on every rank
+            norm = norm.full_tensor()
+        return norm.detach()
 
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
         """One optimizer step over ``micro_batches`` (usually ``accum_steps``); a step the fp16 scaler skips counts
         in ``skipped_steps``, not ``step``."""
         if len(micro_batches) == 0:
-            raise ValueError(
-                "Trainer.train_step: got no micro-batches; a step needs at least one"
-            )
-        # GradScaler halves its scale exactly when it skips a step, which must advance neither the step count
-        # nor the schedule. Reading the scale is a host sync, so it is read only with the fp16 scaler on; here,
-        # before this step's work is queued, the read waits for nothing (the previous step's emptied the queue).
+            raise ValueError("Trainer.train_step: got no micro-batches")
+        # fp16: GradScaler halves its scale exactly when it skips a step. Reading it is a host sync, paid only
+        # with the scaler on; here, before this step's work is queued, the read waits for nothing.
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
         step_loss, target_tokens = self.accumulate_gradients(micro_batches)
         grad_norm = self.clip_gradients()
-        # the rate this step uses, before the schedule moves it
-        lr = self.optimizer.param_groups[0]["lr"]
-        # 5. step (skipped by the scaler if an fp16 gradient is inf/nan), then update the scale.
+        # fp32, bf16 (nothing skips): the first step with a NaN or inf norm, kept on the device
+        if scale_before is None:
+            first = (self._nonfinite_step == 0) & ~grad_norm.isfinite()
+            self._nonfinite_step.masked_fill_(first, self.step + 1)
+        # 5. the learning rate: the schedule's (a function of the step) or the passed scheduler's.
+        if self.scheduler is None:
+            lr = set_learning_rate(self.optimizer, self.step, self.config)
+        else:
+            lr = float(self.optimizer.param_groups[0]["lr"])
+        # 6. step (skipped by the scaler if an fp16 gradient is inf/nan), then update the scale.
         #    The book's fused AdamW takes the scaler's inf check on the device: no .item() in scaler.step.
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        # fp16: waits for the step
-        skipped = scale_before is not None and self.scaler.get_scale() < scale_before
-        # 6. schedule: the next step's learning rate; a skipped step does not advance it.
-        if not skipped:
-            self.scheduler.step()
         # 7. zero: None instead of a tensor of zeros; the next backward writes instead of adding.
         self.optimizer.zero_grad(set_to_none=True)
-        if skipped:
-            self.skipped_steps += 1
-            return StepResult(
-                self.step, float(lr), step_loss, grad_norm, target_tokens, skipped=True
-            )
+        result = StepResult(self.step, lr, step_loss, grad_norm, target_tokens, False)
+        if scale_before is not None and self._skipped(scale_before):
+            result.skipped = True
+            return result
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.step += 1
-        result = StepResult(
-            self.step, float(lr), step_loss, grad_norm, target_tokens, skipped=False
-        )
+        result.step = self.step
         self._unlogged.append(result)
         if self.step % self.config.log_every == 0:
             self.log()
         return result
 
+    def _skipped(self, scale_before: float) -> bool:
+        """Whether the fp16 scaler skipped this step (a sync); stop when it skips on and on."""
+        scale = self.scaler.get_scale()
+        skipped = scale < scale_before or scale == 0
+        self._skips_in_a_row = self._skips_in_a_row + 1 if skipped else 0
+        self.skipped_steps += skipped
+        if self._skips_in_a_row >= MAX_SKIPS_IN_A_ROW or scale == 0:
+            raise NonFiniteLossError(
+                f"fp16 overflows in the forward pass; use bf16 ({self._skips_in_a_row} "
+                f"steps skipped in a row after step {self.step}, loss scale {scale:g})"
+            )
+        return skipped
+
     def log(self) -> dict | None:
         """Read the steps since the last row to the host (a sync) and append a row (None: no step since);
-        a non-finite loss raises ``NonFiniteLossError`` naming its step."""
-        steps, now = self._unlogged, time.perf_counter()
+        a NaN or inf raises ``NonFiniteLossError`` naming its step."""
+        steps = self._unlogged
         if not steps:
             return None
         losses, norms, tokens = (
             torch.stack([getattr(step, name) for step in steps]).tolist()
             for name in ("loss", "grad_norm", "target_tokens")
         )
-        bad = next(
-            (
-                step
-                for step, loss in zip(steps, losses, strict=True)
-                if not math.isfinite(loss)
-            ),
-            None,
-        )
-        if bad is not None:
-            raise NonFiniteLossError(
-                f"training loss is {bad.loss.item()} at optimizer step {bad.step} (noticed at step {steps[-1].step}, "
-                f"when the losses were read); precision={self.config.precision!r}, lr={bad.lr:.3g}. Lower the "
-                "learning rate or look for bad inputs, and resume from a checkpoint taken before that step."
-            )
+        now = time.perf_counter()  # after the sync: the steps' work is done
+        self._check_finite()
         seconds = max(now - self._interval_started, 1e-9)
         row = {
             "step": steps[-1].step,
@@ -367,16 +370,25 @@ class Trainer:
         self._unlogged, self._interval_started = [], now
         return row
 
-    # ----- the training state -----
+    def _check_finite(self) -> None:
+        """Raise ``NonFiniteLossError`` if a step had a NaN or inf gradient norm (one sync)."""
+        bad = int(self._nonfinite_step.item())
+        if bad:
+            step = next(step for step in self._unlogged if step.step == bad)
+            raise NonFiniteLossError(
+                f"loss {step.loss.item()}, gradient norm {step.grad_norm.item()} at optimizer "
+                f"step {bad} ({self.config.precision}, lr {step.lr:.3g}); lower the learning "
+                "rate or look for bad inputs, and resume from a checkpoint before that step"
+            )
 
     def state_dict(self) -> dict:
         """Everything needed to continue this run exactly, as tensors and plain values (``TrainerState``'s fields).
         Like ``nn.Module.state_dict`` it holds live tensors: save or clone it before training on."""
+        self._check_finite()  # never save the update of a non-finite step
         return {
-            # keys without a wrapper's prefix
             "model": unwrap_model(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler else {},
             "scaler": self.scaler.state_dict(),  # {} when disabled (fp32, bf16)
             "step": self.step,
             "skipped_steps": self.skipped_steps,
@@ -388,31 +400,25 @@ class Trainer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned, parsed whole first: on a ``ValueError`` nothing has changed.
-        An optimizer this trainer built takes its rates, betas and decay from ``config`` (a changed learning rate
-        applies from the next step); a passed-in optimizer and scheduler are restored as saved."""
+        The Trainer's own optimizer takes ``config``'s rates, betas and decay; a passed one stays as saved."""
         state = parse_trainer_state(state, self)
         unwrap_model(self.model).load_state_dict(state.model, strict=True)
         load_optimizer_state(self.optimizer, state.optimizer)
-        self.scheduler.load_state_dict(state.scheduler)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state.scheduler)
         if state.scaler:
             self.scaler.load_state_dict(state.scaler)
         self.step, self.skipped_steps = state.step, state.skipped_steps
         self.history, self._unlogged = state.history, state.unlogged
         self._interval_started = time.perf_counter() - state.seconds_since_log
         if self.owns_optimizer:
-            apply_config(self.optimizer, self.scheduler, self.config)
-
-    # ----- validation -----
+            apply_config(self.optimizer, self.config)
 
     def add_val_loss(self, val_batches: Iterable[Batch]) -> float:
         """Write the row of the steps so far, add their ``val_loss`` (``evaluate``) to it, and return it.
-
-        The evaluation's time is left out of the next row's ``tokens_per_second``.
-        """
+        The evaluation's time is left out of the next row's ``tokens_per_second``."""
         if self.log() is None and not self.history:
-            raise ValueError(
-                "Trainer.add_val_loss: no step has been taken, so there is no history row to add to"
-            )
+            raise ValueError("Trainer.add_val_loss: no step has been taken yet")
         val_loss = evaluate(self.model, val_batches, self.device, self.config.precision)
         self.history[-1]["val_loss"] = val_loss
         self._interval_started = time.perf_counter()
@@ -429,10 +435,8 @@ def evaluate(
     """Mean loss per target token over ``batches``, in eval mode (no dropout), one sync at the end."""
     was_training = model.training
     model.eval()
-    total_loss, total_tokens = (
-        torch.zeros((), device=device),
-        torch.zeros((), device=device, dtype=torch.int64),
-    )
+    total_loss = torch.zeros((), device=device)
+    total_tokens = torch.zeros((), device=device, dtype=torch.int64)
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         total_loss += summed_loss(model, x, y, precision)
@@ -446,78 +450,50 @@ def evaluate(
 def parse_trainer_state(state: Mapping[str, Any], trainer: Trainer) -> TrainerState:
     """``state`` as a ``TrainerState`` that ``trainer`` applies without failing half-way, or a ``ValueError``.
 
-    Checked: every field present; the model's keys, shapes and dtypes; the optimizer's layout; loss scaling
-    on or off as in ``trainer``; the counters, history and unlogged steps by type. The values inside (a
-    learning rate, a moment's numbers) are the file's: see the trust model in ``torchbook.checkpoint``.
+    Checked: exactly ``TrainerState``'s fields; the model's keys, shapes and dtypes; the optimizer's layout;
+    loss scaling and a scheduler on or off as in ``trainer``; the other fields by type. The values inside (a
+    moment's numbers) are the file's: see the trust model in ``torchbook.checkpoint``.
     """
     names = [field.name for field in dataclasses.fields(TrainerState)]
-    if not isinstance(state, Mapping) or any(name not in state for name in names):
+    if not isinstance(state, Mapping) or set(state) != set(names):
         found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
         raise ValueError(
-            f"Trainer.load_state_dict: expected a dict with {', '.join(names)}; got {found}"
+            f"Trainer.load_state_dict: expected a dict of {', '.join(names)}; got {found}"
         )
     problems = [
         f"model: {line}" for line in state_dict_problems(trainer.model, state["model"])
     ]
     problems += optimizer_layout_problems(state["optimizer"], trainer.optimizer)
-    if (
-        not isinstance(state["scaler"], dict)
-        or bool(state["scaler"]) != trainer.scaler.is_enabled()
+    for key, saved, here in (
+        ("scaler", state["scaler"], trainer.scaler.is_enabled()),
+        ("scheduler", state["scheduler"], trainer.scheduler is not None),
     ):
-        problems.append(
-            f"scaler: loss scaling (fp16) is {'on' if state['scaler'] else 'off'} in the state, "
-            f"{'on' if trainer.scaler.is_enabled() else 'off'} now"
-        )
+        if not isinstance(saved, dict) or bool(saved) != here:
+            problems.append(f"{key}: {bool(saved)} in the state, {here} here")
     problems += [
         f"{key}: {state[key]!r}, expected an int >= 0"
         for key in ("step", "skipped_steps")
         if type(state[key]) is not int or state[key] < 0
     ]
-    problems += [
-        f"{key}: expected a {kind.__name__}"
-        for key, kind in (
-            ("scheduler", dict),
-            ("config", dict),
-            ("history", list),
-            ("unlogged", list),
-            ("seconds_since_log", float),
-        )
-        if type(state[key]) is not kind
-    ]
+    # Copies, on this trainer's device: applying them cannot fail, and shares nothing with `state`.
+    try:
+        tensors = ("loss", "grad_norm", "target_tokens")
+        parsed = {
+            "history": [dict(row) for row in state["history"]],
+            "unlogged": [
+                StepResult(
+                    **{**step, **{k: step[k].to(trainer.device) for k in tensors}}
+                )
+                for step in state["unlogged"]
+            ],
+            "seconds_since_log": float(state["seconds_since_log"]),
+            "config": dict(state["config"]),
+        }
+    except (TypeError, ValueError, KeyError, AttributeError) as error:
+        problems.append(f"history, unlogged, seconds_since_log or config: {error}")
     if problems:
         raise ValueError(
             "Trainer.load_state_dict: the state does not fit this trainer; nothing was loaded:\n  "
             + "\n  ".join(problems)
         )
-    try:  # copies, on this trainer's device: applying them cannot fail, and shares nothing with `state`
-        history = [dict(row) for row in state["history"]]
-        unlogged = [
-            StepResult(
-                **{
-                    **step,
-                    **{
-                        key: step[key].to(trainer.device)
-                        for key in ("loss", "grad_norm", "target_tokens")
-                    },
-                }
-            )
-            for step in state["unlogged"]
-        ]
-    # a row that is not a dict of its fields
-    except (
-        TypeError,
-        ValueError,
-        KeyError,
-        AttributeError,
-    ) as error:
-        raise ValueError(
-            f"Trainer.load_state_dict: a history row or unlogged step is unreadable ({error})"
-        ) from error
-    return TrainerState(
-        **{
-            **state,
-            "scheduler": dict(state["scheduler"]),
-            "history": history,
-            "unlogged": unlogged,
-        }
-    )
+    return TrainerState(**{**state, **parsed})

@@ -21,9 +21,10 @@ dtype, shape and byte range) and the raw bytes: loading it runs no code, and
   torchtitan does. Nothing process-wide is patched.
 
 Every write goes through ``torchbook.files.atomic_write``; every error is a
-``WeightsError`` naming the file (and the field) and is raised before the
-model changes. It builds on ``torchbook.state_dicts``: the unwrap of
-torch.compile and DDP wrappers, and the key/shape/dtype check before loading.
+``CheckpointError`` naming the file (and the field), the same class as
+``torchbook.checkpoint``'s, raised before the model changes. The module
+builds on ``torchbook.state_dicts``: the unwrap of torch.compile and DDP
+wrappers, the key/shape/dtype check before loading, and that error class.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
 import safetensors
 import safetensors.torch
@@ -41,7 +41,8 @@ from torch import nn
 from torchbook.files import atomic_write, atomic_write_text
 from torchbook.state_dicts import (
     LISTED_KEYS,
-    state_dict_problems,
+    CheckpointError,
+    check_state_dict,
     unwrap_model,
     unwrap_state_dict,
 )
@@ -50,24 +51,7 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Metadata key of files written by earlier versions of this module (aliases as JSON); still read.
 LEGACY_ALIASES_KEY = "torchbook.aliases"
 
-
-class WeightsError(RuntimeError):
-    """Weights cannot be written or read as asked; the message names the file and the problem."""
-
-
 # --------------------------------------------------------------------------- state dicts
-
-
-def check_state_dict(
-    model: nn.Module, state_dict: Mapping[str, Any], source: str | Path
-) -> None:
-    """Raise WeightsError naming ``source`` unless every key, shape and dtype fits ``model`` (nothing loaded yet)."""
-    problems = state_dict_problems(model, state_dict)
-    if problems:
-        raise WeightsError(
-            f"{source}: does not fit {type(unwrap_model(model)).__name__} (architecture "
-            "mismatch); nothing was loaded:\n  " + "\n  ".join(problems)
-        )
 
 
 def _share_tied(state_dict: dict[str, torch.Tensor], ties: Iterable[list[str]]) -> None:
@@ -104,7 +88,7 @@ def drop_shared(
                 b.stride(),
                 b.dtype,
             ):
-                raise WeightsError(
+                raise CheckpointError(
                     f"{name}: shares memory with {kept} but is a different view of it; safetensors "
                     "cannot store overlapping tensors (clone one of them first)"
                 )
@@ -127,8 +111,8 @@ def _to_publish(
     )
     try:
         return drop_shared(state_dict)
-    except WeightsError as error:
-        raise WeightsError(f"{target}: not written; {error}") from error
+    except CheckpointError as error:
+        raise CheckpointError(f"{target}: not written; {error}") from error
 
 
 def _write_safetensors(
@@ -142,7 +126,7 @@ def _write_safetensors(
             ),
         )
     except OSError as error:
-        raise WeightsError(
+        raise CheckpointError(
             f"{path}: could not be written ({type(error).__name__}: {error}); "
             "is the disk full? The previous file, if any, is unchanged"
         ) from error
@@ -161,7 +145,7 @@ def save_safetensors(
     header = {str(key): str(value) for key, value in (metadata or {}).items()}
     clash = sorted(set(header) & (set(tensors) | set(aliases)))
     if clash:
-        raise WeightsError(
+        raise CheckpointError(
             f"{path}: metadata keys {clash} are tensor names; they would be read as aliases"
         )
     header.update(aliases)
@@ -181,18 +165,18 @@ def _aliases(
         try:
             legacy = json.loads(metadata[LEGACY_ALIASES_KEY])
         except ValueError as error:
-            raise WeightsError(
+            raise CheckpointError(
                 f"{source}: metadata field {LEGACY_ALIASES_KEY!r} is not JSON ({error})"
             ) from error
         if not isinstance(legacy, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in legacy.items()
         ):
-            raise WeightsError(
+            raise CheckpointError(
                 f"{source}: metadata field {LEGACY_ALIASES_KEY!r} is not a JSON object of names"
             )
         missing = sorted(kept for kept in legacy.values() if kept not in stored)
         if missing:
-            raise WeightsError(
+            raise CheckpointError(
                 f"{source}: metadata field {LEGACY_ALIASES_KEY!r} names tensors the file does "
                 f"not hold: {missing}"
             )
@@ -202,11 +186,11 @@ def _aliases(
 
 def _open(path: Path, device: str = "cpu"):
     if not path.is_file():
-        raise WeightsError(f"{path}: no such file")
+        raise CheckpointError(f"{path}: no such file")
     try:
         return safetensors.safe_open(path, framework="pt", device=device)
     except (safetensors.SafetensorError, OSError) as error:
-        raise WeightsError(
+        raise CheckpointError(
             f"{path}: not a readable safetensors file ({error}); was the write interrupted?"
         ) from error
 
@@ -224,14 +208,14 @@ def read_safetensors(
             name for name in wanted if name not in stored and name not in aliases
         ]
         if unknown:
-            raise WeightsError(f"{path}: no tensor named {unknown[:LISTED_KEYS]}")
+            raise CheckpointError(f"{path}: no tensor named {unknown[:LISTED_KEYS]}")
         try:
             tensors = {
                 name: handle.get_tensor(name)
                 for name in {aliases.get(n, n) for n in wanted}
             }
         except safetensors.SafetensorError as error:
-            raise WeightsError(
+            raise CheckpointError(
                 f"{path}: unreadable tensor data ({error}); was the write interrupted?"
             ) from error
     return {name: tensors[aliases.get(name, name)] for name in wanted}
@@ -295,29 +279,29 @@ def save_sharded_safetensors(
 
 
 def read_index(folder_or_index: str | Path) -> tuple[Path, dict[str, str]]:
-    """The index file and its ``weight_map``, every field checked: a WeightsError names the file and the field."""
+    """The index file and its ``weight_map``, every field checked: a CheckpointError names the file and the field."""
     index_path = Path(folder_or_index)
     if index_path.is_dir():
         index_path = index_path / SAFETENSORS_INDEX
     if not index_path.is_file():
-        raise WeightsError(f"{index_path}: no such file")
+        raise CheckpointError(f"{index_path}: no such file")
     try:
         index = json.loads(index_path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as error:
-        raise WeightsError(
+        raise CheckpointError(
             f"{index_path}: not a JSON index ({type(error).__name__}: {error})"
         ) from error
     if not isinstance(index, dict):
-        raise WeightsError(
+        raise CheckpointError(
             f"{index_path}: the index is a JSON {type(index).__name__}, expected an object"
         )
     if not isinstance(index.get("metadata", {}), dict):
-        raise WeightsError(
+        raise CheckpointError(
             f"{index_path}: field 'metadata' is a {type(index['metadata']).__name__}, expected an object"
         )
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict):
-        raise WeightsError(
+        raise CheckpointError(
             f"{index_path}: field 'weight_map' is a {type(weight_map).__name__}, "
             "expected an object {tensor name: shard file}"
         )
@@ -327,7 +311,7 @@ def read_index(folder_or_index: str | Path) -> tuple[Path, dict[str, str]]:
             or Path(filename).name != filename
             or not filename.endswith(".safetensors")
         ):
-            raise WeightsError(
+            raise CheckpointError(
                 f"{index_path}: field 'weight_map'[{name!r}] is {filename!r}, expected the name "
                 "of a .safetensors file in the same folder"
             )
@@ -365,7 +349,7 @@ def read_sharded_safetensors(
             )
     unknown = [name for name in wanted if name not in where]
     if unknown:
-        raise WeightsError(
+        raise CheckpointError(
             f"{index_path}: no tensor named {unknown[:LISTED_KEYS]} in field 'weight_map'"
         )
     by_file: dict[str, list[str]] = {}
@@ -425,7 +409,7 @@ def load_on_meta(
         init_buffers(model)
     still_meta = meta_tensors(model)
     if still_meta:
-        raise WeightsError(
+        raise CheckpointError(
             f"{source}: after loading, {still_meta} are still on the meta device, with no values "
             "(buffers that state_dict does not save); pass init_buffers= to compute them"
         )
