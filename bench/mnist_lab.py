@@ -1,7 +1,8 @@
 """How much slower is the lab's training, as ``make gpu-results`` runs it, than a bare loop?
 
-The lab's loop is ``train_epoch`` in ``examples/gpu_results.py``. Both train the lab's MLP from the same seeded weights, over the same resident
-MNIST tensors in the same seeded order, for the same number of steps (one
+The lab's loop is ``train_epoch`` in ``torchbook.lab``, which ``make
+gpu-results`` runs. Both train the lab's MLP from the same seeded weights, over
+the same resident MNIST tensors in the same seeded order, for the same number of steps (one
 epoch), with the same AdamW and cosine schedule, and both then compute the
 test accuracy once. Runs alternate in one process (lab, bare, bare, lab, ...)
 so that load from other processes hits both alike; the median of the
@@ -21,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import math
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,22 +34,17 @@ from torchbook.device import synchronize
 from torchbook.mnist import resident_batches
 from torchbook.profiles import make_profile
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpu_results.py"
-_spec = importlib.util.spec_from_file_location("gpu_results", SCRIPT)
-gpu_results = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_results)
-
 
 def steps_per_epoch(data: lab.MnistTensors, batch_size: int) -> int:
     return math.ceil(len(data.train_labels) / batch_size)
 
 
 def run_lab(data: lab.MnistTensors, profile) -> tuple[float, float, float]:
-    """One epoch of the lab's training, through ``gpu_results.lab_run``: (wall s, CPU s, accuracy)."""
+    """One epoch of the lab's training, through ``lab.lab_run``: (wall s, CPU s, accuracy)."""
     sizes = dataclasses.replace(profile.lab, epochs=1)
     synchronize(profile.device)
     started, cpu_started = time.perf_counter(), time.process_time()
-    _, history = gpu_results.lab_run(data, sizes, profile)
+    _, history = lab.lab_run(data, sizes, profile)
     synchronize(profile.device)
     return (
         time.perf_counter() - started,
@@ -63,7 +57,7 @@ def run_bare(data: lab.MnistTensors, profile) -> tuple[float, float, float]:
     """The same epoch as a bare loop: forward, mean loss, backward, step, schedule, zero."""
     sizes = profile.lab
     model = lab.fresh_model(sizes.hidden, profile.seed, profile.device)
-    optimizer, scheduler = gpu_results.lab_optimizer(
+    optimizer, scheduler = lab.lab_optimizer(
         "adamw", model, sizes, steps_per_epoch(data, sizes.batch_size)
     )
     synchronize(profile.device)

@@ -1,4 +1,4 @@
-"""The lab's shared pieces (torchbook.lab) and its full-size script (the lab part of examples/gpu_results.py).
+"""The lab's shared pieces and its drill runners (torchbook.lab).
 
 The drills themselves run in chapter 8; ``make gpu-results`` reruns them at
 the gpu profile's sizes through the functions tested here.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -16,27 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from torchbook import lab
-from torchbook.profiles import gpu_profile, make_profile
-from torchbook.results import read_result
+from torchbook.profiles import make_profile
+from torchbook.results import make_provenance, read_result, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_gpu_results():
-    """examples/gpu_results.py as a module (examples are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(
-        "gpu_results", ROOT / "examples" / "gpu_results.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_results = load_gpu_results()
-
-
 def test_mlp_is_784_256_128_10():
-    model = lab.MLP((256, 128))
+    model = lab.MnistMLP((256, 128))
     # 784*256 + 256 + 256*128 + 128 + 128*10 + 10, written out independently of the class
     assert sum(p.numel() for p in model.parameters()) == 235_146
     assert model(torch.zeros(5, 1, 28, 28)).shape == (5, 10)
@@ -55,31 +41,31 @@ def test_fresh_model_repeats_its_weights_for_a_seed():
     assert not torch.equal(first.layers[1].weight, other.layers[1].weight)
 
 
-def test_evaluate_counts_correct_argmaxes_and_restores_train_mode():
+def test_accuracy_and_loss_counts_correct_argmaxes_and_restores_train_mode():
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Flatten(), torch.nn.Dropout(0.5), torch.nn.Linear(4, 3)
     )
     images, labels = torch.randn(50, 1, 2, 2), torch.randint(0, 3, (50,))
-    accuracy, loss = lab.evaluate(model, images, labels)
+    accuracy, loss = lab.accuracy_and_loss(model, images, labels)
     model.eval()  # by hand: eval mode (dropout off), no autocast
     with torch.no_grad():
         logits = model(images)
     assert accuracy == pytest.approx((logits.argmax(1) == labels).float().mean().item())
     assert loss == pytest.approx(F.cross_entropy(logits, labels).item())
     model.train()
-    lab.evaluate(model, images, labels)
-    assert model.training, "evaluate must leave a training model in train mode"
+    lab.accuracy_and_loss(model, images, labels)
+    assert model.training, "accuracy_and_loss must leave a training model in train mode"
 
 
 def test_accumulated_step_equals_one_big_batch_step():
     torch.manual_seed(0)
     images, labels = torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,))
-    model = lab.MLP((32,))
+    model = lab.MnistMLP((32,))
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    losses = gpu_results.train_epoch(
+    losses = lab.train_epoch(
         model,
         optimizer,
         scheduler,
@@ -104,11 +90,11 @@ def test_accumulated_step_equals_one_big_batch_step():
 
 
 def test_train_epoch_with_drop_last_takes_only_full_batches():
-    model = lab.MLP((8,))
+    model = lab.MnistMLP((8,))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     images, labels = torch.randn(100, 1, 28, 28), torch.randint(0, 10, (100,))
-    losses = gpu_results.train_epoch(
+    losses = lab.train_epoch(
         model,
         optimizer,
         scheduler,
@@ -125,8 +111,8 @@ def test_sgd_follows_the_same_cosine_as_adamw():
     sizes = make_profile("cpu").lab
     rates = {}
     for name in ("adamw", "sgd"):
-        optimizer, scheduler = gpu_results.lab_optimizer(
-            name, lab.MLP((8,)), sizes, total_steps=10
+        optimizer, scheduler = lab.lab_optimizer(
+            name, lab.MnistMLP((8,)), sizes, total_steps=10
         )
         rates[name] = []
         for _ in range(11):
@@ -152,7 +138,7 @@ def test_results_series_splits_a_history_into_steps_and_epochs():
         "epoch_test_loss": [0.3],
         "epoch_seconds": [1.5],
     }
-    series = gpu_results.results_series({"adamw": history})
+    series = lab.results_series({"adamw": history})
     assert series["adamw.steps"] == {"step": [1.0, 2.0, 3.0], "loss": [2.0, 1.0, 0.5]}
     assert series["adamw.epochs"] == {
         "epoch": [1.0],
@@ -180,68 +166,47 @@ def small_lab():
     )
 
 
-def test_compile_timing_alternates_over_an_epoch_of_full_batches(small_lab):
+def test_compile_timing_compiles_once_over_an_epoch_of_full_batches(small_lab):
     profile, sizes, data = small_lab
-    # backend="eager": the alternation and the bookkeeping are tested, not inductor's speed
-    timing = gpu_results.compile_timing(data, sizes, profile, backend="eager")
-    assert timing["steps"] == 512 // sizes.batch_size
-    assert timing["speedup"] == pytest.approx(
-        timing["eager_step_s"] / timing["compiled_step_s"]
+    # 600 images: 4 full batches of 128 and 88 left over, which drop_last leaves out
+    data = lab.MnistTensors(
+        torch.cat([data.train_images, data.train_images[:88]]),
+        torch.cat([data.train_labels, data.train_labels[:88]]),
+        data.test_images,
+        data.test_labels,
     )
+    graphs = []
+
+    def counting_backend(graph, example_inputs):
+        """Runs the traced graph as is (no inductor), counting each compilation."""
+        graphs.append(graph)
+        return graph.forward
+
+    timing = lab.compile_timing(data, sizes, profile, backend=counting_backend)
+    assert timing["steps"] == 600 // sizes.batch_size == 4
+    assert len(graphs) == 1, f"compiled {len(graphs)} times; drop_last keeps one shape"
+    assert timing["eager_step_s"] > 0 and timing["compiled_step_s"] > 0
 
 
-def test_lab_run_writes_one_results_file_named_after_the_profile(
+def test_run_drills_gives_every_number_in_the_results_format(
     small_lab, tmp_path, monkeypatch
 ):
     profile, sizes, data = small_lab
-    monkeypatch.setattr(gpu_results, "load_data", lambda device: data)
-    monkeypatch.setattr(
-        gpu_results, "compile_timing", lambda data, sizes, profile: {"speedup": 1.0}
+    monkeypatch.setattr(lab, "compile_timing", lambda *args: {"speedup": 1.0})
+    metrics, series = lab.run_drills(data, sizes, profile)
+    provenance = make_provenance(
+        profile.device, ROOT, ["code/torchbook/lab.py"], wall_seconds=1.0
     )
-    path = gpu_results.run_lab(gpu_results.Output(tmp_path), profile, sizes)
+    path = write_result(
+        tmp_path / "lab-cpu.json", "lab", "cpu", metrics, series, provenance
+    )
     written = read_result(path)  # the format torchbook.results validates
-    assert path.name == "lab-cpu.json" and [p.name for p in tmp_path.iterdir()] == [
-        "lab-cpu.json"
-    ]
-    assert written.run == "lab" and written.profile == "cpu"
-    assert (
-        written.metrics["drill6.reload_bit_identical"] == 1.0
-        and written.metrics["drill6.safetensors_equal"] == 1.0
-    )
+    assert written.metrics["drill6.reload_bit_identical"] == 1.0
+    assert written.metrics["drill6.safetensors_equal"] == 1.0
+    assert written.metrics["drill2.speedup"] == 1.0
     assert len(written.history["adamw.steps"]["loss"]) == 512 // sizes.batch_size
-    assert set(written.history) >= {
-        "adamw.epochs",
-        "sgd.epochs",
-        "accumulated.epochs",
-        "bf16.epochs",
+    assert set(written.history) == {
+        f"{run}.{kind}"
+        for run in ("adamw", "sgd", "accumulated", "bf16")
+        for kind in ("steps", "epochs")
     }
-    assert set(written.provenance["sources"]) == set(gpu_results.LAB_SOURCES)
-
-
-def test_a_dry_run_keeps_every_gpu_shape_and_cuts_only_the_counts():
-    profile = gpu_profile(torch.device("cpu"))
-    lm, lab_sizes, memory = gpu_results.dry_run_sizes(profile)
-    shape = lambda sizes, names: tuple(getattr(sizes, name) for name in names)  # noqa: E731
-    lm_shape = ("block_size", "batch_size", "n_layer", "n_head", "d_model")
-    assert shape(lm, lm_shape) == shape(profile.lm, lm_shape)
-    assert (
-        lm.max_steps == gpu_results.DRY_RUN_STEPS < profile.lm.max_steps
-        and lm.eval_batches == 1
-    )
-    assert (lab_sizes.hidden, lab_sizes.batch_size) == (
-        profile.lab.hidden,
-        profile.lab.batch_size,
-    )
-    memory_shape = (
-        "vocab_size",
-        "n_layer",
-        "d_model",
-        "batch_size",
-        "seq_lens",
-        "matmul_size",
-    )
-    assert shape(memory, memory_shape) == shape(profile.memory, memory_shape)
-    assert profile.precision == "bf16" and profile.device.type == "cpu"
-    assert gpu_results.Output(Path("out"), dry_run=True).path("lm", profile) == Path(
-        "out/lm-gpu-dry-run.json"
-    )

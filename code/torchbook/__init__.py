@@ -65,9 +65,11 @@ Chapters 6-8 and the results of full-size runs:
   the device's measured matmul peak, tokens per second and MFU (builds on ``models`` and
   ``memory``).
 - ``mnist``: MNIST read from its verified raw IDX files, as a dataset of PIL images and as resident tensors.
-- ``lab``: what the lab's drills share: the MLP, its evaluation and MNIST as resident tensors
-  (builds on ``mnist`` and ``download``); ``drills``: the exercise notebook's checkers,
-  independent of ``lab`` on purpose: they recompute from your objects, not from the lab's code.
+- ``lab``: what the lab's drills share: the MLP, its evaluation and MNIST as resident
+  tensors, and the drills as runs for the GPU results (builds on ``mnist``, ``download``
+  and ``optim``).
+- ``drills``: the exercise notebook's checkers, independent of ``lab`` on purpose: they
+  recompute from your objects, not from the lab's code.
 - ``results``: results of full-size runs as JSON with provenance, and their staleness.
 
 Scripts a chapter launches (the kill-and-resume run, the ``torchrun`` job,
