@@ -13,8 +13,9 @@ QUARTO_MIN := 1.9
 
 # make gpu-results: every full-size result the book shows, as JSON with provenance in assets/results/.
 # Meant for a GPU machine; PROFILE=cpu writes the same files from the small sizes.
-# DRY_RUN=1 runs every one of them at the gpu sizes on the CPU for a few steps (no GPU needed),
-# writing <run>-gpu-dry-run.json files that the chapters never plot.
+# DRY_RUN=1 runs each run's training step at the gpu sizes on fake tensors (no GPU, nothing
+# computed at full size) and records its peak memory beside the formula's, in
+# <run>-gpu-dry-run.json files the chapters never read.
 PROFILE ?= gpu
 RESULTS_DIR ?= assets/results
 DRY_RUN ?=

@@ -8,33 +8,30 @@ and writes one file per run, ``<run>-<profile>.json``, into ``--out``
 (``assets/results/``). With the cpu profile it writes the same files from the
 small sizes; ``--max-steps`` shortens the language-model run further.
 
-``--dry-run`` (``make gpu-results DRY_RUN=1``) runs every one of these at the
-gpu profile's sizes and precision on the CPU, for a handful of steps each: the
-configs, shapes, autocast, the results format and the files all meet the full
-sizes before a GPU hour is paid for. Its files are named
-``<run>-gpu-dry-run.json`` and marked ``dry_run``; the chapters never plot them.
+``--dry-run`` (``make gpu-results DRY_RUN=1``) needs no GPU and computes
+nothing at full size: it runs each run's training step at the gpu profile's
+sizes and precision on fake tensors (``torchbook.dry_run``), which meets every
+shape, config and autocast cast, prints the step's peak memory as tracked
+beside the book's formula for it, and writes those numbers in the results
+format, as ``<run>-gpu-dry-run.json`` files marked ``dry_run``, which the
+chapters never read.
 
-The chapters read these files and plot them beside their live CPU run; each
-file records the hashes of the sources it depends on, so a figure can say when
-the code has changed since.
+Each file records the hashes of the sources it depends on; the appendix lists
+the files with the device and date each was made on, and whether its code has
+changed since.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-import safetensors.torch
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
 
 from torchbook.charlm import (
     build,
@@ -43,21 +40,14 @@ from torchbook.charlm import (
     train_char_lm,
     unigram_baseline,
 )
-from torchbook.device import AUTOCAST_DTYPES, synchronize
+from torchbook.device import AUTOCAST_DTYPES, timed
 from torchbook.download import repository_root, shakespeare_path
-from torchbook.files import atomic_write
+from torchbook.dry_run import FAKE_DEVICE, fake_peak_bytes, gpu_steps
 from torchbook.flops import matmul_flops_per_second, throughput_metrics
-from torchbook.lab import MnistTensors, evaluate, fresh_model, load_data, test_logits
-from torchbook.memory import (
-    TrainingShape,
-    peak_bytes,
-    predict_peak,
-    state_bytes,
-    training_step,
-)
-from torchbook.mnist import resident_batches
+from torchbook.lab import load_data, run_drills
+from torchbook.memory import TrainingShape, predict_peak
+from torchbook.memory_measure import peak_bytes, state_bytes, training_step
 from torchbook.models import GPT, GPTConfig
-from torchbook.optim import OptimizerConfig, build_optimizer, build_schedule
 from torchbook.profiles import (
     LabSizes,
     LanguageModelSizes,
@@ -67,10 +57,6 @@ from torchbook.profiles import (
     gpu_profile,
 )
 from torchbook.results import history_series, make_provenance, write_result
-
-DRY_RUN_STEPS = (
-    2  # optimizer steps of each run in a dry run: enough to take a step after the first
-)
 
 
 class Output(NamedTuple):
@@ -174,7 +160,11 @@ def run_compile(
     warmup_steps: int = COMPILE_WARMUP_STEPS,
     timed_steps: int = COMPILE_TIMED_STEPS,
 ) -> Path:
-    """Chapter 3's GPT at ``sizes``, eager against ``torch.compile``: first step and steady step."""
+    """Chapter 3's GPT at ``sizes``, eager against ``torch.compile``: first step and steady step.
+
+    The first compiled step runs with the compiler's caches off, so its
+    compilation time is a cold start's.
+    """
     corpus = load_corpus(shakespeare_path())
     batch = [
         next(
@@ -193,15 +183,13 @@ def run_compile(
     trainers["compiled"].model = torch.compile(trainers["compiled"].model)
 
     def timed_step(name: str) -> float:
-        synchronize(profile.device)
-        started = time.perf_counter()
-        trainers[name].train_step(batch)
-        synchronize(profile.device)
-        return time.perf_counter() - started
+        return timed(lambda: trainers[name].train_step(batch), profile.device)[1]
 
     started = time.perf_counter()
-    # the compiled one includes compilation
-    first = {name: timed_step(name) for name in trainers}
+    # The compiled one includes compilation, with the caches off: it compiles from
+    # nothing, as in a fresh environment, whatever an earlier run left on disk.
+    with torch.compiler.config.patch(force_disable_caches=True):
+        first = {name: timed_step(name) for name in trainers}
     for _ in range(warmup_steps):
         for name in trainers:
             timed_step(name)
@@ -217,6 +205,7 @@ def run_compile(
         "compiled_step_s": step["compiled"],
         "speedup": step["eager"] / step["compiled"],
         "compile_s": first["compiled"] - step["compiled"],
+        "compile_caches_off": 1.0,  # the compile_s of a cold start
         "tokens_per_step": sizes.block_size * sizes.batch_size,
     }
     history = {
@@ -248,307 +237,15 @@ LAB_SOURCES = (
 )
 
 
-def lab_optimizer(
-    name: str, model: nn.Module, sizes: LabSizes, total_steps: int
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """The book's AdamW (``"adamw"``) or SGD with momentum 0.9 (``"sgd"``), both on a cosine to ``min_lr``."""
-    lr = sizes.lr if name == "adamw" else sizes.sgd_lr
-    config = OptimizerConfig(
-        max_steps=total_steps,
-        lr=lr,
-        min_lr=sizes.min_lr * lr / sizes.lr,
-        warmup_steps=0,
-        weight_decay=sizes.weight_decay,
-    )
-    if name == "adamw":
-        return build_optimizer(model, config)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    return optimizer, build_schedule(optimizer, config)
-
-
-def train_epoch(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    images: Tensor,
-    labels: Tensor,
-    batch_size: int,
-    generator: torch.Generator,
-    accum_steps: int = 1,
-    autocast_dtype: torch.dtype | None = None,
-    drop_last: bool = False,
-    max_steps: int | None = None,
-) -> list[Tensor]:
-    """One epoch of optimizer steps, as chapter 8's drills write it; each step's loss stays on the device.
-
-    Each micro-batch's loss is summed over its examples and divided by the
-    whole batch's size, so ``accum_steps`` micro-batches give the gradient of
-    the batch's mean loss.
-    """
-    model.train()
-    losses = []
-    for batch_images, batch_labels in resident_batches(
-        images, labels, batch_size, generator, drop_last
-    ):
-        if max_steps is not None and len(losses) == max_steps:
-            break
-        step_loss = torch.zeros((), device=images.device)
-        micro_batches = zip(
-            batch_images.split(batch_size // accum_steps),
-            batch_labels.split(batch_size // accum_steps),
-            strict=False,
-        )
-        for micro_images, micro_labels in micro_batches:
-            with torch.autocast(
-                images.device.type,
-                dtype=autocast_dtype or torch.float32,
-                enabled=autocast_dtype is not None,
-            ):
-                logits = model(micro_images)
-            loss = F.cross_entropy(logits.float(), micro_labels, reduction="sum") / len(
-                batch_labels
-            )
-            loss.backward()
-            step_loss += loss.detach()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(step_loss)
-    return losses
-
-
-def lab_run(
-    data: MnistTensors,
-    sizes: LabSizes,
-    profile: Profile,
-    optimizer_name: str = "adamw",
-    accum_steps: int = 1,
-    autocast_dtype: torch.dtype | None = None,
-) -> tuple[nn.Module, dict]:
-    """``sizes.epochs`` epochs from the seeded weights in the seeded order; tests after each epoch."""
-    model = fresh_model(sizes.hidden, profile.seed, profile.device)
-    steps_per_epoch = math.ceil(len(data.train_labels) / sizes.batch_size)
-    optimizer, scheduler = lab_optimizer(
-        optimizer_name, model, sizes, sizes.epochs * steps_per_epoch
-    )
-    generator = torch.Generator().manual_seed(profile.seed)
-    history: dict[str, list] = {
-        "step_loss": [],
-        "epoch_accuracy": [],
-        "epoch_test_loss": [],
-        "epoch_seconds": [],
-    }
-    for _ in range(sizes.epochs):
-        synchronize(profile.device)
-        started = time.perf_counter()
-        losses = train_epoch(
-            model,
-            optimizer,
-            scheduler,
-            data.train_images,
-            data.train_labels,
-            sizes.batch_size,
-            generator,
-            accum_steps,
-            autocast_dtype,
-        )
-        synchronize(profile.device)
-        history["epoch_seconds"].append(time.perf_counter() - started)
-        history["step_loss"] += torch.stack(losses).tolist()
-        accuracy, loss = evaluate(
-            model, data.test_images, data.test_labels, autocast_dtype
-        )
-        history["epoch_accuracy"].append(accuracy)
-        history["epoch_test_loss"].append(loss)
-    return model, history
-
-
-def compile_timing(
-    data: MnistTensors, sizes: LabSizes, profile: Profile, backend: str = "inductor"
-) -> dict:
-    """Drill 2: the first (compiling) step, then eager and compiled steps timed in alternation over an epoch."""
-    models = {"eager": fresh_model(sizes.hidden, profile.seed, profile.device)}
-    models["compiled"] = torch.compile(
-        fresh_model(sizes.hidden, profile.seed, profile.device), backend=backend
-    )
-    steps = len(data.train_labels) // sizes.batch_size
-    optimizers = {
-        name: lab_optimizer("adamw", model, sizes, steps)
-        for name, model in models.items()
-    }
-    seconds: dict[str, list[float]] = {name: [] for name in models}
-    batches = list(
-        resident_batches(
-            data.train_images,
-            data.train_labels,
-            sizes.batch_size,
-            torch.Generator().manual_seed(profile.seed),
-            drop_last=True,
-        )
-    )
-    for images, labels in batches:
-        # alternate, so a change in load hits both alike
-        for (
-            name,
-            model,
-        ) in models.items():
-            optimizer, scheduler = optimizers[name]
-            synchronize(profile.device)
-            started = time.perf_counter()
-            F.cross_entropy(model(images), labels).backward()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            synchronize(profile.device)
-            seconds[name].append(time.perf_counter() - started)
-    eager_s, compiled_s = (
-        statistics.median(seconds[name][1:]) for name in ("eager", "compiled")
-    )
-    return {
-        "eager_first_step_s": seconds["eager"][0],
-        "compiled_first_step_s": seconds["compiled"][0],
-        "eager_step_s": eager_s,
-        "compiled_step_s": compiled_s,
-        "speedup": eager_s / compiled_s,
-        "steps": steps,
-    }
-
-
-def accumulation_agreement(
-    data: MnistTensors, sizes: LabSizes, profile: Profile
-) -> dict:
-    """Drill 4's comparison: weights after ``equivalence_steps`` steps of one batch and of accumulated micro-batches."""
-    states = []
-    for accum_steps in (1, sizes.accum_steps):
-        model = fresh_model(sizes.hidden, profile.seed, profile.device)
-        optimizer, scheduler = lab_optimizer(
-            "adamw", model, sizes, sizes.equivalence_steps
-        )
-        train_epoch(
-            model,
-            optimizer,
-            scheduler,
-            data.train_images,
-            data.train_labels,
-            sizes.batch_size,
-            torch.Generator().manual_seed(profile.seed),
-            accum_steps,
-            max_steps=sizes.equivalence_steps,
-        )
-        states.append(
-            torch.cat([tensor.flatten() for tensor in model.state_dict().values()])
-        )
-    difference = (states[0] - states[1]).abs()
-    return {
-        "max_weight_difference": difference.max().item(),
-        "fraction_beyond_1e-6": (difference > 1e-6).float().mean().item(),
-    }
-
-
-def save_and_reload(
-    model: nn.Module, data: MnistTensors, sizes: LabSizes, folder: Path
-) -> dict:
-    """Drills 6 and 7: a state dict through ``torch.save`` and through safetensors, compared bit for bit."""
-    before = test_logits(model, data.test_images)
-    pickled = atomic_write(
-        folder / "mlp.pt", lambda temporary: torch.save(model.state_dict(), temporary)
-    )
-    reloaded = fresh_model(sizes.hidden, 0, data.test_images.device)
-    reloaded.load_state_dict(
-        torch.load(pickled, map_location=data.test_images.device, weights_only=True)
-    )
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    tensors = atomic_write(
-        folder / "mlp.safetensors",
-        lambda temporary: safetensors.torch.save_file(state, temporary),
-    )
-    loaded = safetensors.torch.load_file(tensors, device=str(data.test_images.device))
-    return {
-        "torch_save_bytes": pickled.stat().st_size,
-        "safetensors_bytes": tensors.stat().st_size,
-        "reload_bit_identical": torch.equal(
-            before, test_logits(reloaded, data.test_images)
-        ),
-        "safetensors_equal": all(
-            torch.equal(loaded[name], state[name]) for name in state
-        ),
-    }
-
-
-def results_series(histories: dict[str, dict]) -> dict[str, dict[str, list[float]]]:
-    """Each run's history as two series of a results file: ``<run>.steps`` and ``<run>.epochs``."""
-    series = {}
-    for name, history in histories.items():
-        series[f"{name}.steps"] = {
-            "step": [float(i + 1) for i in range(len(history["step_loss"]))],
-            "loss": history["step_loss"],
-        }
-        series[f"{name}.epochs"] = {
-            "epoch": [float(i + 1) for i in range(len(history["epoch_accuracy"]))],
-            "accuracy": history["epoch_accuracy"],
-            "test_loss": history["epoch_test_loss"],
-            "seconds": history["epoch_seconds"],
-        }
-    return series
-
-
-def run_lab(
-    out: Output, profile: Profile, sizes: LabSizes, train_batches: int | None = None
-) -> Path:
-    """The seven drills at ``sizes``; writes ``lab-<profile>.json`` with every number and each run's history.
-
-    ``train_batches`` keeps only that many batches of the training images (a dry run's handful of steps).
-    """
+def run_lab(out: Output, profile: Profile, sizes: LabSizes) -> Path:
+    """The seven drills at ``sizes``; writes ``lab-<profile>.json`` with every number and each run's history."""
     started = time.perf_counter()
     data = load_data(profile.device)
-    if train_batches is not None:
-        kept = train_batches * sizes.batch_size
-        data = dataclasses.replace(
-            data,
-            train_images=data.train_images[:kept],
-            train_labels=data.train_labels[:kept],
-        )
-    model, adamw = lab_run(data, sizes, profile)
-    histories = {
-        "adamw": adamw,
-        "sgd": lab_run(data, sizes, profile, "sgd")[1],
-        "accumulated": lab_run(data, sizes, profile, accum_steps=sizes.accum_steps)[1],
-        "bf16": lab_run(data, sizes, profile, autocast_dtype=torch.bfloat16)[1],
-    }
-    metrics = {
-        f"drill1.{key}": value
-        for key, value in {
-            "accuracy": adamw["epoch_accuracy"][-1],
-            "train_seconds": sum(adamw["epoch_seconds"]),
-        }.items()
-    }
-    metrics |= {
-        f"drill2.{key}": value
-        for key, value in compile_timing(data, sizes, profile).items()
-    }
-    metrics |= {
-        f"drill4.{key}": value
-        for key, value in accumulation_agreement(data, sizes, profile).items()
-    }
-    fp32_loss = evaluate(model, data.test_images, data.test_labels)[1]
-    bf16_loss = evaluate(model, data.test_images, data.test_labels, torch.bfloat16)[1]
-    metrics |= {
-        "drill5.same_weights_fp32_loss": fp32_loss,
-        "drill5.same_weights_bf16_loss": bf16_loss,
-        "drill5.same_weights_relative_difference": abs(bf16_loss - fp32_loss)
-        / fp32_loss,
-    }
-    with tempfile.TemporaryDirectory(prefix="lab-") as folder:
-        metrics |= {
-            f"drill6.{key}": float(value)
-            for key, value in save_and_reload(model, data, sizes, Path(folder)).items()
-        }
-    for name in ("sgd", "accumulated", "bf16"):
-        metrics[f"{name}.accuracy"] = histories[name]["epoch_accuracy"][-1]
+    metrics, series = run_drills(data, sizes, profile)
     provenance = make_provenance(
         profile.device, repository_root(), LAB_SOURCES, time.perf_counter() - started
     )
-    path = out.write("lab", profile, metrics, results_series(histories), provenance)
+    path = out.write("lab", profile, metrics, series, provenance)
     print(
         f"lab: {metrics['drill1.accuracy']:.2%} after {sizes.epochs} epochs, compile speedup "
         f"{metrics['drill2.speedup']:.2f}x -> {path}",
@@ -561,6 +258,7 @@ def run_lab(
 
 MEMORY_SOURCES = (
     "code/torchbook/memory.py",
+    "code/torchbook/memory_measure.py",
     "code/torchbook/flops.py",
     "code/torchbook/models.py",
     "code/torchbook/profiles.py",
@@ -576,7 +274,8 @@ def run_memory(out: Output, profile: Profile, sizes: MemorySizes) -> Path:
     )
     torch.manual_seed(profile.seed)
     model = GPT(config).to(profile.device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    # fused: one kernel for every parameter, as the book's Trainer builds it
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
     idx = torch.randint(
         0, sizes.vocab_size, (sizes.batch_size, steps), device=profile.device
     )
@@ -615,14 +314,67 @@ def run_memory(out: Output, profile: Profile, sizes: MemorySizes) -> Path:
     return path
 
 
-def dry_run_sizes(profile: Profile) -> tuple[LanguageModelSizes, LabSizes, MemorySizes]:
-    """The gpu sizes with every count of steps, evaluations and samples cut to a handful; no shape changes."""
-    lm = dataclasses.replace(
-        shorter(profile.lm, DRY_RUN_STEPS), eval_batches=1, sample_tokens=8
+# ----- the dry run: each run's training step at full size, on fake tensors -----
+
+DRY_RUN_SOURCES = (
+    "code/torchbook/dry_run.py",
+    "code/torchbook/gpu_fit.py",
+    "code/torchbook/memory.py",
+    "code/torchbook/memory_measure.py",
+)
+# Each run's steps (torchbook.dry_run.gpu_steps), by the prefix of their metrics:
+# the memory run's file also holds chapter 7's float32 cell.
+DRY_RUN_STEPS = {
+    "lm": {"": "lm"},
+    "lab": {"": "lab"},
+    "compile": {"": "compile"},
+    "memory": {"": "memory", "fp32.": "memory-fp32"},
+}
+RUN_SOURCES = {
+    "lm": LM_SOURCES,
+    "lab": LAB_SOURCES,
+    "compile": COMPILE_SOURCES,
+    "memory": MEMORY_SOURCES,
+}
+
+
+def dry_run(out: Output, profile: Profile, runs: list[str]) -> list[Path]:
+    """Each run's step at ``profile``'s sizes on fake tensors: its peak beside the formula's.
+
+    Writes ``<run>-gpu-dry-run.json`` per run, in the results format, with
+    ``fake_peak_bytes`` and ``predicted_peak_bytes`` (the formula with the
+    CPU's kernels, which the fake step ran) and ``predicted_peak_bytes_cuda``.
+    """
+    corpus = load_corpus(shakespeare_path())
+    steps = gpu_steps(profile, len(corpus.vocabulary))
+    print(
+        f"{'step at gpu sizes, fake tensors on the CPU':64s}"
+        f"{'fake peak':>11s}{'formula':>11s}{'on CUDA':>11s}"
     )
-    lab = dataclasses.replace(profile.lab, equivalence_steps=DRY_RUN_STEPS)
-    memory = dataclasses.replace(profile.memory, timed_steps=1)
-    return lm, lab, memory
+    paths = []
+    for run in runs:
+        started, metrics = time.perf_counter(), {}
+        for prefix, key in DRY_RUN_STEPS[run].items():
+            step = steps[key]
+            peak = fake_peak_bytes(step.build)
+            metrics |= {
+                f"{prefix}fake_peak_bytes": peak,
+                f"{prefix}predicted_peak_bytes": step.formula,
+                f"{prefix}predicted_peak_bytes_cuda": step.formula_cuda,
+            }
+            print(
+                f"{step.name:64s}{peak / 1e9:>8.3f} GB{step.formula / 1e9:>8.3f} GB"
+                f"{step.formula_cuda / 1e9:>8.3f} GB",
+                flush=True,
+            )
+        provenance = make_provenance(
+            profile.device,
+            repository_root(),
+            (*RUN_SOURCES[run], *DRY_RUN_SOURCES),
+            time.perf_counter() - started,
+        )
+        paths.append(out.write(run, profile, metrics, {}, provenance))
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -642,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="every run at the gpu sizes on the CPU for a few steps; files marked as a dry run",
+        help="each run's step at the gpu sizes on fake tensors, no GPU needed; "
+        "files marked as a dry run",
     )
     parser.add_argument(
         "--only",
@@ -652,33 +405,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    profile = gpu_profile(torch.device("cpu")) if args.dry_run else active_profile()
-    out = Output(args.out, dry_run=args.dry_run)
+    profile = gpu_profile(FAKE_DEVICE) if args.dry_run else active_profile()
     kind = "a dry run of the gpu sizes" if args.dry_run else "results"
     print(
         f"profile {profile.name}: device {profile.device}, torch {torch.__version__}; {kind}",
         flush=True,
     )
-    chosen = args.only or list(RUNS)
+    chosen = [run for run in RUNS if run in (args.only or RUNS)]
     if args.dry_run:
-        lm_sizes, lab_sizes, memory_sizes = dry_run_sizes(profile)
-        compile_steps, train_batches = (0, 1), DRY_RUN_STEPS
+        paths = dry_run(Output(args.out, dry_run=True), profile, chosen)
+        print(f"dry run: {len(paths)} files in {args.out}", flush=True)
     else:
+        out = Output(args.out)
         lm_sizes = (
             profile.lm
             if args.max_steps is None
             else shorter(profile.lm, args.max_steps)
         )
-        lab_sizes, memory_sizes = profile.lab, profile.memory
-        compile_steps, train_batches = (COMPILE_WARMUP_STEPS, COMPILE_TIMED_STEPS), None
-    if "lm" in chosen:
-        run_language_model(out, profile, lm_sizes)
-    if "lab" in chosen:
-        run_lab(out, profile, lab_sizes, train_batches)
-    if "compile" in chosen:
-        run_compile(out, profile, profile.lm, *compile_steps)
-    if "memory" in chosen:
-        run_memory(out, profile, memory_sizes)
+        if "lm" in chosen:
+            run_language_model(out, profile, lm_sizes)
+        if "lab" in chosen:
+            run_lab(out, profile, profile.lab)
+        if "compile" in chosen:
+            run_compile(out, profile, profile.lm)
+        if "memory" in chosen:
+            run_memory(out, profile, profile.memory)
     print(f"gpu-results: done in {time.perf_counter() - started:.0f} s", flush=True)
     return 0
 

@@ -1,11 +1,14 @@
-"""The one place that picks the device and sizes from QUARTO_PROFILE."""
+"""The one place that picks the device and sizes from QUARTO_PROFILE, and the device helpers."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
 from torchbook import profiles as profile
+from torchbook.device import timed
 
 
 @pytest.mark.parametrize(
@@ -33,7 +36,7 @@ def test_default_profile_is_cpu_in_float32(monkeypatch):
     active = profile.active_profile()
     assert active.name == "cpu"
     assert active.device == torch.device("cpu")
-    assert active.autocast_dtype is None
+    assert active.precision == "fp32"
 
 
 def test_gpu_profile_without_accelerator_stops_with_a_clear_message(monkeypatch):
@@ -50,4 +53,20 @@ def test_gpu_profile_uses_the_accelerator_in_bf16(monkeypatch):
     monkeypatch.setattr(profile, "accelerator", lambda: torch.device("cuda"))
     active = profile.active_profile()
     assert active.device == torch.device("cuda")
-    assert active.autocast_dtype is torch.bfloat16
+    assert active.precision == "bf16"
+
+
+def test_timed_returns_the_result_and_the_seconds_the_work_took():
+    calls = []
+
+    def work() -> int:
+        calls.append(time.perf_counter())
+        time.sleep(0.05)
+        return 7
+
+    before = time.perf_counter()
+    result, seconds = timed(work, torch.device("cpu"))
+    after = time.perf_counter()
+    # the clock runs around the work alone: at least its sleep, at most the whole call
+    assert result == 7 and len(calls) == 1
+    assert 0.05 <= seconds <= after - before

@@ -18,10 +18,8 @@ from torchbook.results import (
     history_rows,
     history_series,
     make_provenance,
-    plot_label,
     read_result,
     stale_sources,
-    staleness_note,
     write_result,
 )
 
@@ -146,12 +144,8 @@ def test_a_dry_run_flag_that_is_not_a_boolean_is_refused_naming_the_file(
 def test_a_result_is_fresh_until_a_source_it_depends_on_changes(tmp_path, sources):
     result = read_result(write_example(tmp_path, sources))
     assert stale_sources(result, sources) == []
-    assert staleness_note(result, sources) is None
     (sources / "code" / "train.py").write_text("LR = 1e-3\n")
     assert stale_sources(result, sources) == ["code/train.py"]
-    note = staleness_note(result, sources)
-    assert note is not None and "code/train.py" in note and "code/model.py" not in note
-    assert plot_label(result, sources).endswith("(code changed since)")
 
 
 def test_a_deleted_source_makes_the_result_stale(tmp_path, sources):
@@ -262,18 +256,14 @@ def test_the_cpu_profile_run_of_the_command_writes_a_results_file_the_book_reads
     assert result.history["val"]["step"] == [4.0]
     assert stale_sources(result, ROOT) == []  # made from the code as it is now
     assert result.provenance["git_commit"] != ""
-    # Plotted as chapter 3 plots it: the legend names the stored run's device and date, unmarked while fresh.
+    # Plotted as chapter 3 plots it: the legend names the stored run's device and date.
+    stored = f"stored: {result.profile} profile, {result.label}"
     figure = plot_history(
-        {
-            "live": [{"step": 4, "val_loss": 3.0}],
-            plot_label(result, ROOT): history_rows(result),
-        },
+        {"live": [{"step": 4, "val_loss": 3.0}], stored: history_rows(result)},
         keys=("val_loss",),
     )
     legend = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
-    assert any(result.label in entry and "changed" not in entry for entry in legend), (
-        legend
-    )
+    assert f"{stored}: validation" in legend, legend
 
 
 def test_reading_a_folder_names_it(tmp_path):

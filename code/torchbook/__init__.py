@@ -71,6 +71,8 @@ Chapters 6-8 and the results of full-size runs:
 - ``drills``: the exercise notebook's checkers, independent of ``lab`` on purpose: they
   recompute from your objects, not from the lab's code.
 - ``results``: results of full-size runs as JSON with provenance, and their staleness.
+- ``dry_run``: the GPU runs' training steps at full size on fake tensors, without a GPU:
+  shapes, and the peak memory ``MemTracker`` tracks beside ``memory.predict_peak``.
 
 Scripts a chapter launches (the kill-and-resume run, the ``torchrun`` job,
 ``make gpu-results``) live in ``examples/``, outside the package.

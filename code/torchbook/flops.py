@@ -1,9 +1,10 @@
 """A GPT's training FLOPs per token, counted two ways, and how close a step comes to the device's peak.
 
-It builds on ``torchbook.models`` (``GPTConfig``) and ``torchbook.memory``
-(``matmul_parameter_count``, and ``training_loss``/``training_step``, the book's
-training forward and step, so that the FLOPs counted and the step timed are the
-ones whose memory chapter 7 measures).
+It builds on ``torchbook.models`` (``GPTConfig``), ``torchbook.memory``
+(``matmul_parameter_count``) and ``torchbook.memory_measure``
+(``training_loss``/``training_step``, the book's training forward and step, so
+that the FLOPs counted and the step timed are the ones whose memory chapter 7
+measures).
 
 ``flops_per_token`` is the formula (6N plus attention's products, Kaplan et
 al. 2020); ``count_training_flops`` counts the same step with PyTorch's
@@ -14,16 +15,16 @@ times real steps and reports model FLOPs utilisation (MFU) against the rate
 
 from __future__ import annotations
 
-import math
-import time
+import contextlib
 
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from torchbook.device import synchronize
-from torchbook.memory import matmul_parameter_count, training_loss, training_step
+from torchbook.device import timed
+from torchbook.memory import matmul_parameter_count
+from torchbook.memory_measure import training_loss, training_step
 from torchbook.models import GPTConfig
 
 
@@ -47,11 +48,18 @@ def count_training_flops(
 ) -> int:
     """FLOPs of one forward and backward pass, as ``FlopCounterMode`` counts them.
 
-    Attention runs on SDPA's math path here: the counter has no formula for the
-    CPU's fused kernel, which would leave attention out; the math path does the
-    same products as plain matmuls, which it counts.
+    On the CPU attention runs on SDPA's math path here: the counter has no
+    formula for the CPU's fused kernel, which would leave attention out, and the
+    math path does the same products as plain matmuls, which it counts. On CUDA
+    the counter has formulas for the fused kernels (flash, memory-efficient), so
+    attention runs as it would in training, without a (T, T) tensor per head.
     """
-    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+    math_path = (
+        sdpa_kernel(SDPBackend.MATH)
+        if idx.device.type == "cpu"
+        else contextlib.nullcontext()
+    )
+    with FlopCounterMode(display=False) as counter, math_path:
         training_loss(model, idx, targets, precision).backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops()
@@ -66,13 +74,7 @@ def matmul_flops_per_second(
     """The best rate of one (size x size) @ (size x size) matmul: this machine's practical peak."""
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     a @ b  # warm-up: the first call pays for allocation and kernel selection
-    best = math.inf
-    for _ in range(repeats):
-        synchronize(a.device)
-        started = time.perf_counter()
-        a @ b
-        synchronize(a.device)
-        best = min(best, time.perf_counter() - started)
+    best = min(timed(lambda: a @ b, device)[1] for _ in range(repeats))
     return 2 * size**3 / best
 
 
@@ -92,15 +94,12 @@ def throughput_metrics(
     the rate ``matmul_flops_per_second`` measures on the same device, one this
     machine reaches, rather than a datasheet's.
     """
-    # warm-up: AdamW's states, the allocator's blocks
-    training_step(model, optimizer, idx, targets, precision)
-    best = math.inf
-    for _ in range(steps):
-        synchronize(idx.device)
-        started = time.perf_counter()
+
+    def step() -> None:
         training_step(model, optimizer, idx, targets, precision)
-        synchronize(idx.device)
-        best = min(best, time.perf_counter() - started)
+
+    step()  # warm-up: AdamW's states, the allocator's blocks
+    best = min(timed(step, idx.device)[1] for _ in range(steps))
     tokens_per_second = idx.numel() / best
     per_token = flops_per_token(model.config, idx.size(1))
     return {

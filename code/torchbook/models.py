@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 # Standard deviation of every weight at initialisation (GPT-2's choice): small
@@ -184,18 +185,23 @@ class CausalSelfAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
+        cache: tuple[torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
         """(B, T, d_model) -> (B, T, d_model).
 
         Without ``attn_mask``, SDPA applies the causal mask itself (``is_causal=True``)
         and no (T, T) tensor exists; a boolean ``attn_mask`` (True = may attend)
-        replaces it, for packed rows.
+        replaces it, for packed rows or a KV cache (``cache``: keys, values, positions).
         """
         batch, steps, width = x.shape
         # (B, T, 3*C) -> (3, B, H, T, head_size): one matmul for q, k and v.
         qkv = self.qkv(x).view(batch, steps, 3, self.n_head, width // self.n_head)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # store k and v; attend to every position stored
+            kv, start = cache
+            kv[:, :, :, start : start + steps] = torch.stack((k, v))
+            k, v = kv[:, :, :, : start + steps]
         dropout_p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(
             q,
@@ -239,10 +245,11 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
+        cache: tuple[torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
         # Pre-norm: each sublayer reads a normalised copy of x and adds its output
         # back; the residual stream x itself is never normalised inside the block.
-        x = x + self.attn(self.ln_attn(x), cos, sin, attn_mask)
+        x = x + self.attn(self.ln_attn(x), cos, sin, attn_mask, cache)
         return x + self.mlp(self.ln_mlp(x))
 
 
@@ -318,18 +325,23 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        kv_cache: tuple[torch.Tensor, int] | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """Logits (B, T, vocab_size) for token ids ``idx`` (B, T), T <= block_size.
 
         For packed rows, ``position_ids`` (B, T) restart at 0 in each document and
         ``document_ids`` (B, T) say which document each token belongs to. No loss
         here: the training loop computes cross-entropy in float32 even under autocast.
+        ``kv_cache``: see ``generate``; ``return_hidden``: the final norm's output.
         """
         block_size = self.config.block_size
+        start = 0 if kv_cache is None else kv_cache[1]  # positions already cached
+        end = start + idx.size(1)
         if (
             idx.dtype not in (torch.int64, torch.int32)
             or idx.dim() != 2
-            or idx.size(1) > block_size
+            or end > block_size
         ):
             raise ValueError(
                 f"GPT.forward: idx must be int64 or int32 token ids of shape (batch, time) with time <= "
@@ -345,14 +357,19 @@ class GPT(nn.Module):
                     f"got {tuple(ids.shape)}"
                 )
         # Only on the CPU, where reading the ids costs no device sync; under
-        # torch.compile the generated kernel checks its own indices.
-        if idx.device.type == "cpu" and not torch.compiler.is_compiling():
+        # torch.compile the generated kernel checks its own indices, and fake
+        # tensors (shapes without values, for the GPU dry run) have none to read.
+        if (
+            idx.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+            and not is_fake(idx)
+        ):
             check_token_ids(idx, self.config.vocab_size, where="GPT.forward: idx")
         if position_ids is None:
-            # positions 0..T-1
+            # positions start..start+T-1
             cos, sin = (
-                self.rope_cos[: idx.size(1)],
-                self.rope_sin[: idx.size(1)],
+                self.rope_cos[start:end],
+                self.rope_sin[start:end],
             )
         else:  # each token's own position; (B, 1, T, head_size) broadcasts over the heads
             cos, sin = (
@@ -362,6 +379,8 @@ class GPT(nn.Module):
         attn_mask = (
             None if document_ids is None else self.document_causal_mask(document_ids)
         )
+        if kv_cache is not None:  # each query sees the cached keys and its own
+            attn_mask = self.causal_mask[start:end, :end]
         recompute = (
             self.config.activation_checkpointing
             and self.training
@@ -370,14 +389,16 @@ class GPT(nn.Module):
 
         # (B, T, d_model), no position embedding
         x = self.dropout(self.token_embedding(idx))
-        for block in self.blocks:
+        for layer, block in enumerate(self.blocks):
             if recompute:  # keep only the block's inputs; rerun it during backward
                 x = checkpoint(block, x, cos, sin, attn_mask, use_reentrant=False)
             else:
-                x = block(x, cos, sin, attn_mask)
+                cache = None if kv_cache is None else (kv_cache[0][:, layer], start)
+                x = block(x, cos, sin, attn_mask, cache)
+        x = self.ln_final(x)
         # lm_head shares token_embedding's weight (tied): each logit is the dot product
         # of the final hidden state with one token's embedding.
-        return self.lm_head(self.ln_final(x))
+        return x if return_hidden else self.lm_head(x)
 
     def document_causal_mask(self, document_ids: torch.Tensor) -> torch.Tensor:
         """(B, 1, T, T) bool for packed rows: a query sees earlier keys of its own document only.
@@ -397,6 +418,7 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        use_cache: bool = False,
     ) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T); returns (B, T + max_new_tokens).
 
@@ -405,7 +427,8 @@ class GPT(nn.Module):
         given, and draws from the softmax with ``generator``. Sampling runs on
         the generator's device, so a CPU generator draws the same random numbers
         whatever device holds the model. The model's train/eval mode is left as
-        it is: call ``model.eval()`` first so dropout is off.
+        it is: call ``model.eval()`` first so dropout is off. ``use_cache`` keeps every
+        layer's keys and values, so a step runs one position while they fit block_size.
         """
         if max_new_tokens < 0:
             raise ValueError(
@@ -418,9 +441,16 @@ class GPT(nn.Module):
         if top_k is not None and top_k < 1:
             raise ValueError(f"GPT.generate: top_k must be >= 1 or None, got {top_k}")
         sample_device = generator.device if generator is not None else idx.device
+        cache = None
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size :]
-            logits = self(context)[:, -1, :].float() / temperature
+            if not use_cache or idx.size(1) > self.config.block_size:
+                logits = self(idx[:, -self.config.block_size :])
+            elif cache is None:  # the prompt, every position at once
+                cache = self._empty_cache(idx)
+                logits = self(idx, kv_cache=(cache, 0))
+            else:  # the token sampled last
+                logits = self(idx[:, -1:], kv_cache=(cache, idx.size(1) - 1))
+            logits = logits[:, -1, :].float() / temperature
             if top_k is not None:
                 kth_largest = torch.topk(
                     logits, min(top_k, logits.size(-1)), dim=-1
@@ -432,6 +462,15 @@ class GPT(nn.Module):
                 (idx, next_token.to(device=idx.device, dtype=idx.dtype)), dim=1
             )
         return idx
+
+    def _empty_cache(self, idx: torch.Tensor) -> torch.Tensor:
+        """Zeros (2, n_layer, B, H, block_size, head_size), autocast's dtype if on."""
+        c, device = self.config, idx.device.type
+        dtype = self.token_embedding.weight.dtype
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+        shape = (2, c.n_layer, idx.size(0), c.n_head, c.block_size, c.head_size)
+        return torch.zeros(shape, device=idx.device, dtype=dtype)
 
 
 class TinyMLP(nn.Module):

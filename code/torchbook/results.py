@@ -2,15 +2,15 @@
 
 A lent GPU machine has no Quarto, and Quarto's ``_freeze`` folder knows neither
 the profile nor the code a result came from. So the runs whose full-size
-results the book shows (``make gpu-results``) write one JSON file each, and the
-chapters plot those files beside their live CPU run.
+results the book shows (``make gpu-results``) write one JSON file each, which
+a chapter reads with ``find_results`` when the file exists.
 
 A file holds the run's name and profile, its history (named series of
 columns, each a list of numbers), its
 final metrics, and a ``provenance`` record: device name and compute
 capability, CUDA and torch versions, date, git commit, and the SHA-256 of each
 source file the run depends on. ``stale_sources`` compares those hashes with
-the files as they are now, so a figure can say "made before train.py changed".
+the files as they are now; the appendix lists each file with what changed.
 
 Reading validates the whole structure first and raises ``ResultsError`` naming
 the file and the field, so a truncated, hand-edited or foreign JSON file is
@@ -65,7 +65,7 @@ class RunResult:
     # series -> column -> values, e.g. history["val"]["loss"]
     history: dict[str, dict[str, list[float]]]
     provenance: dict[str, Any]
-    dry_run: bool = False  # True: full sizes run for a few steps on the CPU, to test the path; not results
+    dry_run: bool = False  # True: a dry run's file (fake tensors, no GPU); not results
 
     @property
     def label(self) -> str:
@@ -335,7 +335,7 @@ def read_result(path: str | Path) -> RunResult:
 def find_results(folder: str | Path, run: str) -> list[RunResult]:
     """Every results file in ``folder`` for ``run`` (``<run>-*.json``), newest first; [] if none.
 
-    Dry runs are left out: their numbers come from a few steps on the CPU.
+    Dry runs are left out: their numbers come from fake tensors, not a GPU.
     """
     folder = Path(folder)
     found = [
@@ -386,20 +386,3 @@ def stale_sources(result: RunResult, root: str | Path) -> list[str]:
         if not path.is_file() or sha256_of_file(path) != digest:
             changed.append(name)
     return changed
-
-
-def plot_label(result: RunResult, root: str | Path) -> str:
-    """How a figure's legend names a stored run: profile, device, date, and whether its code changed since."""
-    stale = " (code changed since)" if stale_sources(result, root) else ""
-    return f"stored: {result.profile} profile, {result.label}{stale}"
-
-
-def staleness_note(result: RunResult, root: str | Path) -> str | None:
-    """A sentence for the figure when the code changed since the result was made, else None."""
-    changed = stale_sources(result, root)
-    if not changed:
-        return None
-    return (
-        f"Made on {result.provenance['date'][:10]} from code that has changed since: "
-        f"{', '.join(changed)}. Run `make gpu-results` to refresh it."
-    )
