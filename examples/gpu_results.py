@@ -148,9 +148,8 @@ COMPILE_SOURCES = (
     "examples/gpu_results.py",
 )
 COMPILE_WARMUP_STEPS = 3  # after the first step: the allocator and caches settle
-COMPILE_TIMED_STEPS = (
-    30  # steady steps timed per model, eager and compiled taking turns
-)
+# steady steps timed per model, eager and compiled taking turns
+COMPILE_TIMED_STEPS = 30
 
 
 def run_compile(

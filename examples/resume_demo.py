@@ -155,12 +155,10 @@ class Run:
     stream: TokenStream
     save_every: int
     keep_last: int
-    batches_drawn: int = (
-        0  # from the start of training; a step the fp16 scaler skips draws batches too
-    )
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = (
-        None  # started at the first step
-    )
+    # from the start of training; a step the fp16 scaler skips draws batches too
+    batches_drawn: int = 0
+    # started at the first step
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def save(self) -> Path:
         """Checkpoint the full state after the latest optimizer step (pending losses included)."""

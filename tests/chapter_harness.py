@@ -181,9 +181,8 @@ class ChapterFile(IPyNbFile):
             if cell.cell_type != "code":
                 continue
             options = defaultdict(bool, find_metadata_tags(cell.metadata))
-            options["check"] = (
-                False  # outputs are not compared: the chapter asserts what matters
-            )
+            # outputs are not compared: the chapter asserts what matters
+            options["check"] = False
             first_line = next(
                 (
                     line

@@ -164,9 +164,8 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
 # ----------------------------------------------------------------- in one process: what Run.save must carry
 
 IN_PROCESS_STEPS = 10
-IN_PROCESS_SAVE_EVERY = (
-    4  # not a multiple of LOG_EVERY: the checkpoint falls between two log rows
-)
+# not a multiple of LOG_EVERY: the checkpoint falls between two log rows
+IN_PROCESS_SAVE_EVERY = 4
 LOG_EVERY = 3
 # fp16 gradients times this overflow: the scaler skips the first steps
 OVERFLOWING_SCALE = 2.0**20

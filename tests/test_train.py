@@ -93,9 +93,8 @@ def test_accumulated_gradients_equal_one_big_batch(sizes, ignore_fraction):
     x, y = token_batch(sum(sizes), seed=1)
     if ignore_fraction == "uneven":
         y = y.clone()
-        y[:3] = (
-            IGNORE_INDEX  # the first micro-batch is mostly ignored, the others not at all
-        )
+        # the first micro-batch is mostly ignored, the others not at all
+        y[:3] = IGNORE_INDEX
         y[5, :4] = IGNORE_INDEX
     reference = big_batch_gradients(make_model(), x, y)
 
@@ -736,9 +735,8 @@ def test_two_ddp_ranks_with_uneven_tokens_take_the_one_process_step(tmp_path):
     generator = torch.Generator().manual_seed(3)
     x = torch.randint(0, 11, (8, 5), generator=generator)
     y = torch.randint(0, 11, (8, 5), generator=generator)
-    y[:2, :4] = (
-        IGNORE_INDEX  # rank 0's first micro-batch is mostly ignored; rank 1 has all its tokens
-    )
+    # rank 0's first micro-batch is mostly ignored; rank 1 has all its tokens
+    y[:2, :4] = IGNORE_INDEX
     torch.save((x, y), tmp_path / "data.pt")
     script = tmp_path / "ddp_worker.py"
     script.write_text(DDP_WORKER)

@@ -371,9 +371,8 @@ class StreamConfig:
 
     block_size: int = 256
     batch_size: int = 32
-    shuffle: bool = (
-        True  # seeded random order of blocks, new each epoch; False: file order
-    )
+    # seeded random order of blocks, new each epoch; False: file order
+    shuffle: bool = True
     seed: int = 0
     epochs: int | None = 1  # None: repeat epochs forever (count steps, not epochs)
     rank: int = 0  # this process's rank in distributed training
@@ -446,12 +445,10 @@ class TokenStream(IterableDataset):
         self.total_batches = (
             None if config.epochs is None else config.epochs * self.batches_per_epoch
         )
-        self.start_batch = (
-            0  # position to resume from, in batches this rank has consumed
-        )
-        self._blocks: list[np.ndarray] | None = (
-            None  # each shard viewed as blocks, made lazily once per process
-        )
+        # position to resume from, in batches this rank has consumed
+        self.start_batch = 0
+        # each shard viewed as blocks, made lazily once per process
+        self._blocks: list[np.ndarray] | None = None
 
     # -- positions
     def state_dict(self, batches_consumed: int) -> dict:

@@ -26,9 +26,8 @@ from torch import Tensor, nn
 TARGET_ACCURACY = 0.97
 MAX_EPOCHS = 3
 TRAIN_EXAMPLES = 60_000  # MNIST's training split
-COMPILED_LOGIT_ATOL = (
-    1e-4  # drill 2: fused kernels sum float32 products in another order
-)
+# drill 2: fused kernels sum float32 products in another order
+COMPILED_LOGIT_ATOL = 1e-4
 # Drill 4, first the gradients of the first batch, before any step: accumulated or
 # not, they are the same sums taken in another order, so they agree to float32
 # rounding (about 1e-7 of their norm); a loss not divided by accum_steps makes them

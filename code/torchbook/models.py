@@ -65,9 +65,8 @@ class GPTConfig:
     n_head: int
     d_model: int
     dropout: float = 0.0
-    activation_checkpointing: bool = (
-        False  # recompute each block in backward: memory for time
-    )
+    # recompute each block in backward: memory for time
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
