@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from torchbook import charlm
@@ -34,6 +35,13 @@ def test_a_source_of_exactly_one_window_gives_that_window():
     assert torch.equal(x, source[:-1].expand(2, -1)) and torch.equal(
         y, source[1:].expand(2, -1)
     )
+
+
+def test_a_text_too_short_to_split_is_refused_with_its_path(tmp_path):
+    path = tmp_path / "one_character.txt"
+    path.write_text("a", encoding="utf-8")
+    with pytest.raises(ValueError, match="one_character.txt: text of length 1"):
+        load_corpus(path)
 
 
 def test_a_step_the_fp16_scaler_skips_is_not_validated_twice(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""A character-level language model on Tiny Shakespeare: the corpus, its batches, and one whole run.
+"""A character-level language model on Tiny Shakespeare: corpus, batches and one run.
 
 Chapter 3 trains this model live at the profile's sizes, and
 ``examples/gpu_results.py`` trains it at full size on a GPU; both go through
@@ -57,7 +57,7 @@ def load_corpus(path: str | Path) -> CharCorpus:
     text = path.read_text(encoding="utf-8")
     if len(text) < 2:
         raise ValueError(
-            f"{path}: a character corpus needs text to train and validate on; the file is empty"
+            f"{path}: text of length {len(text)}; a corpus needs 2 characters or more"
         )
     vocabulary = sorted(set(text))
     lookup = {char: index for index, char in enumerate(vocabulary)}
@@ -72,7 +72,7 @@ def load_corpus(path: str | Path) -> CharCorpus:
 
 
 def unigram_baseline(corpus: CharCorpus) -> float:
-    """Validation loss (nats per character) of predicting each character by its training frequency."""
+    """Validation loss (nats/char) of predicting each character by its frequency."""
     counts = torch.bincount(
         corpus.train_tokens, minlength=len(corpus.vocabulary)
     ).double()
@@ -83,11 +83,11 @@ def unigram_baseline(corpus: CharCorpus) -> float:
 def random_blocks(
     source: Tensor, block_size: int, batch_size: int, generator: torch.Generator
 ) -> Iterator[tuple[Tensor, Tensor]]:
-    """Endless (x, y) batches of random windows of ``source``; y is x shifted one position left."""
+    """Endless (x, y) batches of random windows of ``source``; y is x shifted by one."""
     if len(source) < block_size + 1:
         raise ValueError(
-            f"random_blocks: {len(source)} tokens cannot hold a window of block_size + 1 = "
-            f"{block_size + 1}"
+            f"random_blocks: {len(source)} tokens cannot hold a window of "
+            f"block_size + 1 = {block_size + 1}"
         )
     offsets = torch.arange(block_size + 1)
     # randint's high is exclusive: the last window starts at len - block_size - 1
@@ -102,7 +102,7 @@ def random_blocks(
 def fixed_batches(
     source: Tensor, block_size: int, batch_size: int, count: int, seed: int
 ) -> list[tuple[Tensor, Tensor]]:
-    """``count`` batches of windows drawn once from ``seed``: the same text at every evaluation."""
+    """``count`` batches of windows drawn from ``seed``: the same text every time."""
     batches = random_blocks(
         source, block_size, batch_size, torch.Generator().manual_seed(seed)
     )
@@ -116,7 +116,7 @@ def build(
     precision: str,
     seed: int,
 ) -> Trainer:
-    """The GPT and its Trainer at ``sizes`` in ``precision`` ("fp32", "bf16", "fp16"); weights drawn from ``seed``."""
+    """The GPT and its Trainer at ``sizes`` in ``precision``; weights from ``seed``."""
     config = GPTConfig(
         vocab_size=len(corpus.vocabulary),
         block_size=sizes.block_size,
@@ -153,8 +153,11 @@ def train_char_lm(
     precision: str,
     seed: int,
 ) -> CharLMRun:
-    """Build the model at ``sizes`` and train it in ``precision``, validating at every ``eval_every``-th step and
-    the last (a ``val_loss`` in that step's history row)."""
+    """Build the model at ``sizes`` and train it in ``precision`` (fp32, bf16, fp16).
+
+    Validates at every ``eval_every``-th step and the last: a ``val_loss`` in that
+    step's history row.
+    """
     trainer = build(corpus, sizes, device, precision, seed)
     validation = fixed_batches(
         corpus.val_tokens,
@@ -172,7 +175,7 @@ def train_char_lm(
     started = time.perf_counter()
     while trainer.step < sizes.max_steps:
         result = trainer.train_step([next(batches)])
-        # A step the fp16 scaler skipped leaves trainer.step where it was: it is not evaluated again.
+        # A step the fp16 scaler skipped leaves trainer.step as it was: no second eval.
         if not result.skipped and (
             trainer.step % sizes.eval_every == 0 or trainer.step == sizes.max_steps
         ):

@@ -241,6 +241,44 @@ def _tensor_label(name: str, tensor: torch.Tensor) -> str:
     return f"{name} {shape}{dtype}"
 
 
+TREE_FONT = 7.5  # points
+TREE_GAP_PT = 6.0  # space between neighbouring texts of a row, in points
+TREE_FILL = 0.92  # a row of tensors wraps beyond this share of the room measured
+
+
+def _module_tree_axes(height: float) -> tuple[Figure, tuple[plt.Axes, plt.Axes]]:
+    """The tree panel and the parameter-count panel, with fixed margins."""
+    figure, axes = plt.subplots(
+        1,
+        2,
+        figsize=(7.5, height),
+        width_ratios=(3.6, 1),
+        sharey=True,
+        gridspec_kw={
+            "left": 0.01,
+            "right": 0.94,
+            "top": 0.99,
+            "bottom": 0.4 / height,
+            "wspace": 0.02,
+        },
+    )
+    return figure, tuple(axes)
+
+
+def _after(ax: plt.Axes, anchor: plt.Text, y: float, text: str, **style) -> plt.Text:
+    """``text`` at data height ``y``, TREE_GAP_PT points right of ``anchor``'s box."""
+    return ax.annotate(
+        text,
+        xy=(1.0, y),
+        xycoords=(anchor, "data"),
+        xytext=(TREE_GAP_PT, 0),
+        textcoords="offset points",
+        va="center",
+        fontsize=TREE_FONT,
+        **style,
+    )
+
+
 def plot_module_tree(model: nn.Module, collapse_repeats: bool = True) -> Figure:
     """Draw a module tree: each submodule with its type, the tensors it owns and its parameter count.
 
@@ -251,7 +289,8 @@ def plot_module_tree(model: nn.Module, collapse_repeats: bool = True) -> Figure:
     name registered first is marked as tied. The bars count each submodule's
     parameters, every shared tensor once. With ``collapse_repeats``, the children
     of a container after its first that match the first's type and count are
-    drawn as one line.
+    drawn as one line. A row of tensors too long for the panel wraps onto more
+    lines, and the legend names only the kinds of tensor drawn.
     """
     first_name = {}  # id of each Parameter -> the name it was registered under first
     for name, parameter in model.named_parameters(remove_duplicate=False):
@@ -319,90 +358,101 @@ def plot_module_tree(model: nn.Module, collapse_repeats: bool = True) -> Figure:
             ("  " * depth + (leaf or "(model)"), type(module).__name__, tensors, count)
         )
 
-    height = 0.24 * (len(rows) + 2.5) + 0.4
-    # Fixed margins, not a layout engine: each text is placed after measuring the one before it.
-    figure, (tree_ax, count_ax) = plt.subplots(
-        1,
-        2,
-        figsize=(7.5, height),
-        width_ratios=(3.6, 1),
-        sharey=True,
-        gridspec_kw={
-            "left": 0.01,
-            "right": 0.94,
-            "top": 0.99,
-            "bottom": 0.4 / height,
-            "wspace": 0.02,
-        },
-    )
+    # Widths are measured once at the figure's dpi to choose the columns and where
+    # a long row wraps; the texts are then placed relative to each other, in points,
+    # when drawn, so that no two collide whatever dpi the figure is saved at.
+    figure, (tree_ax, _) = _module_tree_axes(height=1.0)
     renderer = figure.canvas.get_renderer()
+    inch = figure.dpi
 
-    def right_edge(drawn: plt.Text) -> float:
-        return (
-            drawn.get_window_extent(renderer)
-            .transformed(tree_ax.transAxes.inverted())
-            .x1
-        )
+    def width(text: str, **style: object) -> float:
+        drawn = tree_ax.text(0, 0, text, fontsize=TREE_FONT, **style)
+        size = drawn.get_window_extent(renderer).width / inch
+        drawn.remove()
+        return size
 
+    panel = tree_ax.get_window_extent(renderer).width / inch
+    gap = TREE_GAP_PT / 72
+    name_width = max(width(row[0], family="monospace") for row in rows)
+    type_width = max(width(row[1]) for row in rows)
+    room = TREE_FILL * (panel - name_width - type_width - 2 * gap)
+    lines_of = []  # per row: its tensors, wrapped into lines that fit the panel
+    for _, _, tensors, _ in rows:
+        lines, used = [[]], 0.0
+        for label, colour in tensors:
+            extent = width(label)
+            if lines[-1] and used + gap + extent > room:
+                lines.append([])
+                used = 0.0
+            used += (gap if lines[-1] else 0.0) + extent
+            lines[-1].append((label, colour))
+        lines_of.append(lines)
+    plt.close(figure)
+    first_line = [sum(len(lines) for lines in lines_of[:i]) for i in range(len(rows))]
+    line_count = first_line[-1] + len(lines_of[-1])
+
+    height = 0.24 * (line_count + 2.5) + 0.4
+    figure, (tree_ax, count_ax) = _module_tree_axes(height)
     names = [
-        tree_ax.text(0.0, y, row[0], va="center", fontsize=7.5, family="monospace")
-        for y, row in enumerate(rows)
+        tree_ax.text(
+            0.0,
+            first_line[i],
+            row[0],
+            va="center",
+            fontsize=TREE_FONT,
+            family="monospace",
+        )
+        for i, row in enumerate(rows)
     ]
-    type_x = max(map(right_edge, names)) + 0.02
+    widest_name = max(names, key=lambda text: len(text.get_text()))  # monospace
     types = [
-        tree_ax.text(type_x, y, row[1], va="center", fontsize=7.5, color="0.4")
-        for y, row in enumerate(rows)
+        _after(tree_ax, widest_name, first_line[i], row[1], color="0.4")
+        for i, row in enumerate(rows)
     ]
-    tensors_x = max(map(right_edge, types)) + 0.02
-    for y, (_, _, tensors, count) in enumerate(rows):
-        fontsize, drawn = 7.5, []
-        while True:  # a row too long for the panel is drawn again, in a smaller font
-            x = tensors_x
-            for label, colour in tensors:
-                drawn.append(
-                    tree_ax.text(
-                        x, y, label, va="center", fontsize=fontsize, color=colour
-                    )
+    renderer = figure.canvas.get_renderer()
+    widest_type = max(types, key=lambda text: text.get_window_extent(renderer).width)
+    for i, (_, _, tensors, count) in enumerate(rows):
+        for offset, line in enumerate(lines_of[i]):
+            previous = widest_type
+            for label, colour in line:
+                previous = _after(
+                    tree_ax, previous, first_line[i] + offset, label, color=colour
                 )
-                x = right_edge(drawn[-1]) + 0.015
-            # fits, or as small as is readable: let it run on
-            if x <= 1.0 or fontsize < 4:
-                break
-            for text in drawn:
-                text.remove()
-            drawn.clear()
-            fontsize *= 0.95 * (1.0 - tensors_x) / (x - tensors_x)
         shared = any(" = " in label for label, _ in tensors) and len(tensors) == 1
         count_ax.barh(
-            y,
+            first_line[i],
             count,
             height=0.6,
             color=PARAMETER_COLOUR,
-            alpha=0.6 if y == 0 else 0.35,
+            alpha=0.6 if i == 0 else 0.35,
             hatch="///" if shared else None,
         )
         count_ax.text(
             count,
-            y,
+            first_line[i],
             f" {count:,}" + (" shared" if shared else ""),
             va="center",
             fontsize=7,
         )
-    x = 0.0
-    for colour, meaning in (
-        (PARAMETER_COLOUR, "parameter (trained, saved)"),
-        (BUFFER_COLOUR, "buffer, not saved"),
-        (SAVED_BUFFER_COLOUR, "buffer, saved"),
-    ):
-        x = (
-            right_edge(
-                tree_ax.text(
-                    x, -1.4, "■ " + meaning, color=colour, fontsize=7.5, va="center"
-                )
-            )
-            + 0.03
+    drawn_colours = {colour for row in rows for _, colour in row[2]}
+    legend = [
+        (colour, meaning)
+        for colour, meaning in (
+            (PARAMETER_COLOUR, "parameter (trained, saved)"),
+            (BUFFER_COLOUR, "buffer, not saved"),
+            (SAVED_BUFFER_COLOUR, "buffer, saved"),
         )
-    tree_ax.set_ylim(len(rows) - 0.4, -2.0)
+        if colour in drawn_colours  # only the kinds this tree has
+    ]
+    previous = None
+    for colour, meaning in legend:
+        if previous is None:
+            previous = tree_ax.text(
+                0.0, -1.4, "■ " + meaning, color=colour, fontsize=TREE_FONT, va="center"
+            )
+        else:
+            previous = _after(tree_ax, previous, -1.4, "■ " + meaning, color=colour)
+    tree_ax.set_ylim(line_count - 0.4, -2.0)
     tree_ax.set_xlim(0, 1)
     tree_ax.axis("off")
     count_ax.set_xlabel("parameters")
