@@ -83,3 +83,15 @@ def test_every_shown_block_is_a_run_of_its_module(chapter):
     assert not stale, (
         f"{chapter.name} shows code that is not in the module as written: {stale}"
     )
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda path: path.name)
+def test_every_shown_block_fits_the_page(chapter):
+    # 88 columns, as ruff formats the package: a longer line wraps in the PDF.
+    wide = [
+        f"{module}: {line.strip()[:40]!r}"
+        for module, block in shown_blocks(chapter)
+        for line in block.splitlines()
+        if len(line) > 88
+    ]
+    assert not wide, f"{chapter.name} shows code lines over 88 columns: {wide}"

@@ -238,7 +238,7 @@ def activation_terms(config: GPTConfig, shape: TrainingShape) -> dict[str, int]:
 
 
 def predict_memory(config: GPTConfig, shape: TrainingShape) -> MemoryBreakdown:
-    """Bytes per rank of parameters, gradients, optimizer states, DDP's buckets, saved activations."""
+    """Bytes per rank: parameters, gradients, optimizer states, buckets, activations."""
     count = parameter_count(config)
     moments = OPTIMIZER_STATES[shape.optimizer]
     counters = parameter_tensor_count(config) if shape.optimizer == "adamw" else 0

@@ -400,7 +400,7 @@ class GPT(nn.Module):
         return x if return_hidden else self.lm_head(x)
 
     def document_causal_mask(self, document_ids: torch.Tensor) -> torch.Tensor:
-        """(B, 1, T, T) bool for packed rows: a query sees earlier keys of its own document only.
+        """(B, 1, T, T) bool for packed rows: a query sees its own document's past only.
 
         Block-diagonal and causal: the ``causal_mask`` buffer AND "same document".
         The middle dimension of size 1 broadcasts over the heads.
@@ -473,7 +473,7 @@ class GPT(nn.Module):
 
 
 class TinyMLP(nn.Module):
-    """The tutorial version of a small MLP: Linear -> GELU -> Linear, one logit per class."""
+    """The tutorial version of a small MLP: Linear -> GELU -> Linear."""
 
     def __init__(
         self, in_features: int = 64, hidden: int = 256, out_features: int = 10

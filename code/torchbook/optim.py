@@ -85,7 +85,7 @@ def learning_rate(step: int, config: OptimizerConfig) -> float:
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: matrices (dim >= 2) decay; biases and norm weights (dim < 2) do not.
+    """Two AdamW groups: matrices (dim >= 2) decay; biases and norms (dim < 2) do not.
 
     Decay regularises the matrices that mix features; a LayerNorm gain pulled to
     zero would switch its layer off, and a bias has nothing to regularise. A tied

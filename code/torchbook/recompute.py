@@ -44,7 +44,7 @@ SAVED_OPS = {
 
 
 def keep_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> object:
-    """The policy: save the outputs of ``SAVED_OPS``, recompute every other operation."""
+    """The policy: save the outputs of ``SAVED_OPS``, recompute every other one."""
     if op in SAVED_OPS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE

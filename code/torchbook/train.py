@@ -131,12 +131,14 @@ class TrainerState:
 def summed_loss(
     model: nn.Module, x: Tensor, y: Tensor, precision: str, loss_chunks: int = 1
 ) -> Tensor:
-    """The forward under autocast in ``precision``, then cross-entropy *summed* over ``y``'s target tokens.
+    """The forward under autocast in ``precision``, then the cross-entropy *summed*.
 
-    The loss is taken outside autocast, on logits cast to float32: log-softmax over a large vocabulary
-    loses digits in bf16/fp16. A sum, so that the step divides by the token count of all its micro-batches.
-    With ``loss_chunks`` > 1 (a GPT) the model returns its final hidden states, and the head and the loss
-    run over that many slices of the sequence, each under ``checkpoint``: one slice's float32 logits exist
+    The sum runs over ``y``'s target tokens. The loss is taken outside autocast, on
+    logits cast to float32: log-softmax over a large vocabulary loses digits in
+    bf16/fp16. A sum, so that the step divides by the token count of all its
+    micro-batches. With ``loss_chunks`` > 1 (a GPT) the model returns its final hidden
+    states, and the head and the loss run over that many slices of the sequence, each
+    under ``checkpoint``: one slice's float32 logits exist
     at a time, in the backward pass too, instead of all (tokens, vocab_size) of them.
     """
     with torch.autocast(
@@ -198,7 +200,7 @@ def _check_model(model: nn.Module, device: torch.device) -> None:
 
 
 def _gradient_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-    """Context for one micro-batch's backward: synchronise gradients over ranks on the last one only."""
+    """Context for one micro-batch's backward: gradients synchronised on the last."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(last)
     elif not last and hasattr(model, "no_sync"):  # DDP
@@ -266,7 +268,8 @@ class Trainer:
         self.model.train()
         for index, (x, y) in enumerate(batches):
             with _gradient_sync(self.model, last=index == len(batches) - 1):
-                # 2. forward in low precision, loss in float32, divided by the whole step's token count.
+                # 2. forward in low precision, loss in float32, divided by the whole
+                # step's token count.
                 loss = (
                     summed_loss(
                         self.model, x, y, self.config.precision, self.config.loss_chunks
@@ -300,8 +303,9 @@ class Trainer:
         in ``skipped_steps``, not ``step``."""
         if len(micro_batches) == 0:
             raise ValueError("Trainer.train_step: got no micro-batches")
-        # fp16: GradScaler halves its scale exactly when it skips a step. Reading it is a host sync, paid only
-        # with the scaler on; here, before this step's work is queued, the read waits for nothing.
+        # fp16: GradScaler halves its scale exactly when it skips a step. Reading it is
+        # a host sync, paid only with the scaler on; here, before this step's work is
+        # queued, the read waits for nothing.
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
         step_loss, target_tokens = self.accumulate_gradients(micro_batches)
         grad_norm = self.clip_gradients()
@@ -309,16 +313,19 @@ class Trainer:
         if scale_before is None:
             first = (self._nonfinite_step == 0) & ~grad_norm.isfinite()
             self._nonfinite_step.masked_fill_(first, self.step + 1)
-        # 5. the learning rate: the schedule's (a function of the step) or the passed scheduler's.
+        # 5. the learning rate: the schedule's (a function of the step) or the passed
+        # scheduler's.
         if self.scheduler is None:
             lr = set_learning_rate(self.optimizer, self.step, self.config)
         else:
             lr = float(self.optimizer.param_groups[0]["lr"])
         # 6. step (skipped by the scaler if an fp16 gradient is inf/nan), then update the scale.
-        #    The book's fused AdamW takes the scaler's inf check on the device: no .item() in scaler.step.
+        #    The book's fused AdamW takes the scaler's inf check on the device: no
+        #    .item() in scaler.step.
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        # 7. zero: None instead of a tensor of zeros; the next backward writes instead of adding.
+        # 7. zero: None instead of a tensor of zeros; the next backward writes instead
+        # of adding.
         self.optimizer.zero_grad(set_to_none=True)
         result = StepResult(self.step, lr, step_loss, grad_norm, target_tokens, False)
         if scale_before is not None and self._skipped(scale_before):
