@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 BLOCK, BATCH, EPOCHS, LR = 64, 32, 2, 0.05
 
 
-def main(text_file: str, out_file: str) -> None:
+def main(text_file: str, out_file: str) -> str:
+    """Train on ``text_file``, save the weights to ``out_file``; return the backend."""
     # torchrun sets it: this process's index on its machine
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
@@ -25,8 +26,8 @@ def main(text_file: str, out_file: str) -> None:
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
-    # RANK, WORLD_SIZE from torchrun
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend)  # RANK, WORLD_SIZE from torchrun
     data = torch.frombuffer(
         bytearray(open(text_file, "rb").read()), dtype=torch.uint8
     ).long()
@@ -60,20 +61,20 @@ def main(text_file: str, out_file: str) -> None:
         # the last batch's global mean loss: the sum of the ranks' shares
         dist.all_reduce(last_loss)
         if dist.get_rank() == 0:
-            print(
-                f"epoch {epoch}: loss {last_loss.item():.3f} on {dist.get_world_size()} ranks",
-                flush=True,
-            )
+            ranks = dist.get_world_size()
+            print(f"epoch {epoch}: loss {last_loss.item():.3f} on {ranks} ranks")
     if dist.get_rank() == 0:
         torch.save(model.module.state_dict(), out_file)
     dist.barrier()  # rank 0 has written the weights: every rank can leave
     dist.destroy_process_group()
+    return backend
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
-    # Once DDP has used a gloo process group, gloo's threads outlive destroy_process_group (torch 2.14),
-    # and a process that then exits normally aborts now and then in their teardown ("terminate called
-    # without an active exception", SIGABRT, after all its work). Leave without running that teardown.
-    sys.stdout.flush()
-    os._exit(0)
+    if main(*sys.argv[1:]) == "gloo":
+        # Once DDP has used a gloo process group, gloo's threads outlive
+        # destroy_process_group (torch 2.14), and a normal exit aborts now and then
+        # in their teardown (SIGABRT, after all the work). Leave without it. Only for
+        # gloo: os._exit also skips atexit handlers (logging, trackers) and buffers.
+        sys.stdout.flush()
+        os._exit(0)

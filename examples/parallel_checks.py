@@ -1,4 +1,4 @@
-"""Train the same GPT on the same global batches with DDP, then with FSDP2, and save a sharded checkpoint.
+"""Train one GPT on the same global batches with DDP, then FSDP2; save a DCP checkpoint.
 
     python -m torch.distributed.run --nproc_per_node=2 examples/parallel_checks.py \
         --batches FILE --out DIR [--device cpu|cuda]
@@ -70,7 +70,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--bf16",
         action="store_true",
-        help="FSDP2 with bf16 parameters and fp32 gradient reduction (MixedPrecisionPolicy)",
+        help="FSDP2 with bf16 parameters, gradients reduced in fp32",
     )
     return parser.parse_args()
 
@@ -91,7 +91,7 @@ def my_micro_batches(
 def train_steps(
     trainer: Trainer, data: dict, context: DistributedContext
 ) -> tuple[list, dict[str, int]]:
-    """Every step's result, and the collectives of the last step by name (``all_gather_into_tensor``: 2)."""
+    """Every step's result, and how many collectives of each kind the last step ran."""
     steps = data["x"].size(0)
     results = [
         trainer.train_step(my_micro_batches(data, step, context))
@@ -117,7 +117,7 @@ def train_ddp(
     )
     trainer = Trainer(ddp_model, TrainConfig(**data["train"]), context.device)
     results, collectives = train_steps(trainer, data, context)
-    # The gradient norm before clipping: the gradient itself, which AdamW's update would hide.
+    # The gradient norm before clipping: the gradient itself, which AdamW would hide.
     return (
         model,
         [r.loss.item() for r in results],
@@ -131,7 +131,7 @@ def train_fsdp(
 ) -> tuple[GPT, Trainer, list[float], dict]:
     torch.manual_seed(data["seed"])  # the same initial weights as the DDP run
     model = GPT(GPTConfig(**data["model"])).to(context.device)
-    # bf16 parameters for the forward and backward, gradients reduced (averaged) in fp32.
+    # bf16 parameters for the forward and backward, gradients reduced in fp32.
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if bf16
@@ -157,14 +157,17 @@ def train_fsdp(
     return model, trainer, [r.loss.item() for r in results], layout
 
 
-def main() -> None:
+def main() -> str:
+    """Run both trainings on every rank; return the backend."""
     args = parse_args()
     context = init_distributed(args.device)
     try:
         run(args, context)
-        torch.distributed.barrier()  # no rank tears down its process group while another still works
+        # no rank tears down its process group while another still works
+        torch.distributed.barrier()
     finally:
         cleanup_distributed()
+    return context.backend
 
 
 def run(args: argparse.Namespace, context: DistributedContext) -> None:
@@ -173,13 +176,15 @@ def run(args: argparse.Namespace, context: DistributedContext) -> None:
     ddp_model, ddp_losses, ddp_grad_norms, ddp_collectives = train_ddp(data, context)
     fsdp_model, trainer, fsdp_losses, layout = train_fsdp(data, context, args.bf16)
 
-    # A sharded checkpoint: every rank writes its own shards, and a metadata file says where each piece is.
+    # A sharded checkpoint: every rank writes its own shards, and a metadata file
+    # says where each piece is.
     model_state, optimizer_state = get_state_dict(fsdp_model, trainer.optimizer)
     dcp.save(
         {"model": model_state, "optimizer": optimizer_state},
         checkpoint_id=args.out / "dcp",
     )
-    # The same weights gathered into one plain state_dict on rank 0 (a collective: every rank calls it).
+    # The same weights gathered into one plain state_dict on rank 0 (a collective:
+    # every rank calls it).
     full = get_model_state_dict(
         fsdp_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
@@ -210,10 +215,10 @@ def run(args: argparse.Namespace, context: DistributedContext) -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # Once DDP has used a gloo process group, gloo's threads outlive destroy_process_group (torch 2.14),
-    # and a process that then exits normally aborts now and then in their teardown ("terminate called
-    # without an active exception", SIGABRT, after all its work). Leave without running that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if main() == "gloo":
+        # gloo's threads outlive destroy_process_group (torch 2.14), and a normal exit
+        # aborts now and then in their teardown (see examples/ddp_minimal.py). Only
+        # for gloo: os._exit also skips atexit handlers.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -42,8 +42,8 @@ from torchbook.models import GPT, GPTConfig
 from torchbook.profiles import DeviceSizes, active_profile
 from torchbook.train import TrainConfig, Trainer
 
-# DDP all-reduces gradients in buckets of about this many megabytes (default 25). The book's tiny
-# GPT would fit in one; small buckets show that the count is per bucket, as in a real model.
+# DDP all-reduces gradients in buckets of about this many megabytes (default 25). The
+# book's tiny GPT would fit in one; small buckets show that the count is per bucket.
 BUCKET_CAP_MB = 0.05
 
 
@@ -67,23 +67,28 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def main() -> None:
+def main() -> str:
+    """Train on every rank; return the backend, which decides how the process exits."""
     args = parse_args()
     profile = active_profile()
     sizes = profile.devices
     context = init_distributed(args.device or profile.device.type)
     try:
         train(args, sizes, context)
-        torch.distributed.barrier()  # no rank tears down its process group while another still works
+        # no rank tears down its process group while another still works
+        torch.distributed.barrier()
     finally:
-        cleanup_distributed()  # on errors too: the other ranks are not left waiting at a collective
+        # on errors too: the other ranks are not left waiting at a collective
+        cleanup_distributed()
+    return context.backend
 
 
 def train(
     args: argparse.Namespace, sizes: DeviceSizes, context: DistributedContext
 ) -> None:
     started = time.perf_counter()
-    # Every rank builds the same initial weights from the same seed; DDP also broadcasts rank 0's.
+    # Every rank builds the same initial weights from the same seed; DDP also
+    # broadcasts rank 0's.
     torch.manual_seed(active_profile().seed)
     model_config = GPTConfig(
         vocab_size=sizes.vocab_size,
@@ -124,7 +129,8 @@ def train(
     )
     trainer = Trainer(ddp_model, config, context.device)
     batches = iter(stream)
-    allreduces_per_step = []  # DDP regroups its buckets after the first step; count every step
+    # DDP regroups its buckets after the first step; count every step
+    allreduces_per_step = []
     while trainer.step < config.max_steps:
         calls_before = counter.calls
         # no_sync inside
@@ -135,7 +141,7 @@ def train(
     # a row every log_every steps, the loss averaged over all ranks' tokens
     history = trainer.history
 
-    # The same accumulation by hand without no_sync: DDP all-reduces after every micro-batch.
+    # The same accumulation by hand without no_sync: DDP all-reduces every micro-batch.
     counter.calls = 0
     for x, y in itertools.islice(batches, sizes.accum_steps):
         logits = ddp_model(x.to(context.device))
@@ -151,8 +157,8 @@ def train(
             y.to(context.device).flatten(),
         )
     val_loss = mean_over_ranks(local_loss).item()
-    # Every rank's own numbers, collected on rank 0 (a collective: all ranks call it), so that
-    # one process prints and lines from different ranks never interleave.
+    # Every rank's own numbers, collected on rank 0 (a collective: all ranks call it),
+    # so that one process prints and lines from different ranks never interleave.
     per_rank = [None] * context.world_size
     torch.distributed.all_gather_object(per_rank, (counter.calls, local_loss.item()))
     if not is_rank_zero():
@@ -160,9 +166,7 @@ def train(
     for row in history:
         print(f"step {row['step']:3d}  loss {row['loss']:.4f}  lr {row['lr']:.2e}")
     for rank, (calls, loss) in enumerate(per_rank):
-        print(
-            f"rank {rank}: {calls} all-reduces for one unsynced step, own loss {loss:.4f}"
-        )
+        print(f"rank {rank}: {calls} all-reduces unsynced, own loss {loss:.4f}")
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write(
         args.out / "checkpoint.pt", lambda path: torch.save(trainer.state_dict(), path)
@@ -186,10 +190,10 @@ def train(
 
 
 if __name__ == "__main__":
-    main()
-    # Once DDP has used a gloo process group, gloo's threads outlive destroy_process_group (torch 2.14),
-    # and a process that then exits normally aborts now and then in their teardown ("terminate called
-    # without an active exception", SIGABRT, after all its work). Leave without running that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if main() == "gloo":
+        # gloo's threads outlive destroy_process_group (torch 2.14), and a normal exit
+        # aborts now and then in their teardown (see examples/ddp_minimal.py). Only
+        # for gloo: os._exit also skips atexit handlers.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

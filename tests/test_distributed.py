@@ -1,9 +1,9 @@
-"""Distributed training, run for real: two gloo ranks under torchrun, compared with one process.
+"""Distributed training run for real: two gloo ranks under torchrun, against one.
 
 The two-rank job (``examples/parallel_checks.py``) runs once per module: DDP,
 then FSDP2, on the same global batches, then a DCP checkpoint. Every launch
-goes through ``examples/launching.py``, which kills every process of the job
-on a timeout or a failure, so a failing test leaves no workers.
+goes through ``torchbook.distributed.launch``, which kills every process of the
+job on a timeout or a failure, so a failing test leaves no workers.
 """
 
 import json
@@ -18,22 +18,25 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchbook.data import StreamConfig, TokenStream, read_shards, write_shards
-from torchbook.distributed import backend_for, local_bytes, mean_over_ranks, rank_slice
+from torchbook.distributed import (
+    LaunchError,
+    backend_for,
+    free_port,
+    init_distributed,
+    launch,
+    launch_together,
+    local_bytes,
+    mean_over_ranks,
+    rank_slice,
+    torchrun_command,
+    torchrun_node_command,
+)
 from torchbook.download import shakespeare_path
 from torchbook.models import GPT, GPTConfig
 from torchbook.profiles import active_profile
 from torchbook.train import IGNORE_INDEX, TrainConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-from launching import (  # noqa: E402
-    LaunchError,
-    free_port,
-    launch,
-    launch_together,
-    torchrun_command,
-    torchrun_node_command,
-)
 
 STEPS, ACCUM, ROWS, BLOCK = 4, 2, 8, 16
 MODEL = dict(vocab_size=64, block_size=BLOCK, n_layer=2, n_head=2, d_model=32)
@@ -47,11 +50,12 @@ TRAIN = dict(
     log_every=1,
 )
 SEED = 3
-JOB_TIMEOUT_S = 240  # the job takes ~20 s on 2 busy cores; a hung collective is killed long before pytest's
+# the job takes ~20 s on 2 busy cores; a hung collective is killed long before pytest's
+JOB_TIMEOUT_S = 240
 
 
 def global_batches() -> dict:
-    """Token batches whose second half (rank 1's rows) has far more ignored targets than the first."""
+    """Token batches whose second half (rank 1's rows) ignores far more targets."""
     generator = torch.Generator().manual_seed(0)
     shape = (STEPS, ACCUM, ROWS, BLOCK)
     x = torch.randint(0, MODEL["vocab_size"], shape, generator=generator)
@@ -64,7 +68,7 @@ def global_batches() -> dict:
 
 
 def one_process_run(data: dict) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The reference: one process, the same GPT and Trainer, each micro-batch whole; weights and gradient norms."""
+    """One process, each micro-batch whole: the weights and the gradient norms."""
     torch.manual_seed(data["seed"])
     model = GPT(GPTConfig(**data["model"]))
     trainer = Trainer(model, TrainConfig(**data["train"]), "cpu")
@@ -100,21 +104,24 @@ def test_ddp_on_two_ranks_matches_one_process_on_the_global_batch(two_rank_run):
     reference, _ = one_process_run(data)
     assert ddp.keys() == reference.keys()
     worst = max((ddp[name] - reference[name]).abs().max().item() for name in reference)
-    # Summation order differs (per-rank sums, then an all-reduce), ~1e-7 relative in a gradient.
-    # AdamW divides each element by its own RMS, so an element whose gradient is near zero can
-    # move by a sizeable part of lr on a rounding difference: allow 1% of the largest possible
-    # movement, lr x steps. A per-rank mean (the bug the global token count fixes) misses by far more.
+    # Summation order differs (per-rank sums, then an all-reduce), ~1e-7 relative in a
+    # gradient. AdamW divides each element by its own RMS, so an element whose gradient
+    # is near zero can move by a sizeable part of lr on a rounding difference: allow
+    # 1% of the largest possible movement, lr x steps. A per-rank mean (the bug the
+    # global token count fixes) misses by far more.
     assert worst <= 0.01 * LR * STEPS, f"DDP and one process differ by {worst:.3g}"
 
 
 @pytest.mark.slow
 def test_ddp_gradient_norms_match_one_process(two_rank_run):
-    # AdamW's update barely depends on the gradient's scale, so the weights alone would not notice
-    # a gradient off by a constant factor (a missing "x world_size"); the norm before clipping does.
+    # AdamW's update barely depends on the gradient's scale, so the weights alone would
+    # not notice a gradient off by a constant factor (a missing "x world_size"); the
+    # norm before clipping does.
     folder, data = two_rank_run
     ddp_norms = json.loads((folder / "results.json").read_text())["ddp_grad_norms"]
     _, reference_norms = one_process_run(data)
-    # float32 summation order: ~1e-7 relative in the gradient, a little more after 3 AdamW steps
+    # float32 summation order: ~1e-7 relative in the gradient, a little more after
+    # 3 AdamW steps
     np.testing.assert_allclose(ddp_norms, reference_norms, rtol=1e-4)
 
 
@@ -124,7 +131,7 @@ def test_fsdp_loss_equals_ddp_loss(two_rank_run):
     results = json.loads((folder / "results.json").read_text())
     ddp, fsdp = np.array(results["ddp_losses"]), np.array(results["fsdp_losses"])
     assert len(ddp) == len(fsdp) == STEPS
-    # reduce-scatter and all-reduce sum in different orders: float32 rounding, ~1e-7 relative
+    # reduce-scatter and all-reduce sum in different orders: float32 rounding, ~1e-7
     np.testing.assert_allclose(fsdp, ddp, rtol=1e-5)
     assert results["fsdp_parameter"]["type"] == "DTensor"
     assert (
@@ -226,7 +233,8 @@ def test_launch_kills_children_of_a_job_that_runs_past_its_timeout(tmp_path):
     pid_file = tmp_path / "child.pid"
     script = (
         "import subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "sleeper = [sys.executable, '-c', 'import time; time.sleep(600)']\n"
+        "child = subprocess.Popen(sleeper)\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         "time.sleep(600)\n"
     )
@@ -264,8 +272,58 @@ def test_a_failing_rank_ends_the_whole_job_with_its_error(tmp_path):
     assert not leftover, f"workers {leftover} outlived the failed job"
 
 
+@pytest.mark.slow
+def test_a_failing_rank_leaves_no_child_of_its_own_running(tmp_path):
+    # The helper outlives its rank and leaves its session: only the job's environment
+    # marker still ties it to the job.
+    pid_file = tmp_path / "helper.pid"
+    script = tmp_path / "fails_with_a_helper.py"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sleeper = [sys.executable, '-c', 'import time; time.sleep(600)']\n"
+        "    helper = subprocess.Popen(sleeper, start_new_session=True)\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(helper.pid))\n"
+        "    sys.exit('rank 1 fails on purpose')\n"
+        "time.sleep(600)\n"
+    )
+    with pytest.raises(LaunchError, match="rank 1 fails on purpose"):
+        launch(torchrun_command(script), timeout_s=JOB_TIMEOUT_S)
+    helper = int(pid_file.read_text())
+    time.sleep(0.2)
+    try:
+        assert not _alive(helper), f"rank 1's helper {helper} outlived the failed job"
+    finally:
+        if _alive(helper):  # do not leave it running when the test fails
+            os.kill(helper, 9)
+
+
+def test_init_distributed_sets_the_gpu_of_its_local_rank_before_joining(monkeypatch):
+    # Global rank 2 of 4, the second process on a machine with 4 GPUs: its GPU is
+    # cuda:1 (LOCAL_RANK), not cuda:2, and it must be current before NCCL starts.
+    calls = []
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda device: calls.append(("set_device", device))
+    )
+    distributed = torch.distributed  # the module torchbook.distributed calls
+    monkeypatch.setattr(
+        distributed,
+        "init_process_group",
+        lambda backend: calls.append(("join", backend)),
+    )
+    monkeypatch.setattr(distributed, "get_rank", lambda: 2)
+    monkeypatch.setattr(distributed, "get_world_size", lambda: 4)
+    context = init_distributed("cuda")
+    assert calls == [("set_device", torch.device("cuda", 1)), ("join", "nccl")]
+    assert (context.rank, context.device) == (2, torch.device("cuda", 1))
+
+
+@pytest.mark.slow
 def test_a_job_whose_workers_hang_ends_at_its_timeout_with_no_process_left(tmp_path):
-    # torchrun starts each worker in a session of its own: killing torchrun's group would miss them.
+    # torchrun starts each worker in a session of its own: killing torchrun's group
+    # would miss them.
     script = tmp_path / "hangs.py"
     script.write_text(
         "import os, time\nprint('worker', os.getpid(), flush=True)\ntime.sleep(600)\n"
@@ -294,7 +352,7 @@ def test_a_job_whose_workers_hang_ends_at_its_timeout_with_no_process_left(tmp_p
 
 
 def _single_process_ddp_reference(shards: list[Path]) -> dict[str, torch.Tensor]:
-    """train_ddp.py's run in one process: each micro-batch is both ranks' batches side by side."""
+    """train_ddp.py's run in one process: each micro-batch is both ranks' batches."""
     sizes, seed = active_profile().devices, active_profile().seed
     streams = [
         iter(
@@ -373,7 +431,8 @@ def test_train_ddp_as_two_nodes_matches_one_process(tmp_path):
     reference = _single_process_ddp_reference(read_shards(tmp_path / "shards"))
     sizes = active_profile().devices
     worst = max((ddp[name] - reference[name]).abs().max().item() for name in reference)
-    # The chapter's tolerance: 1% of lr x steps, the farthest a weight can move (see the first test).
+    # The chapter's tolerance: 1% of lr x steps, the farthest a weight can move (see
+    # the first test).
     assert worst <= 0.01 * sizes.lr * sizes.ddp_steps, (
         f"two nodes and one process differ by {worst:.3g}"
     )
