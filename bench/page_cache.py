@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from torchbook.data import open_shard, write_shards
 from torchbook.download import cache_dir
+from torchbook.shards import open_shard, write_shards
 
 
 def resident_fraction(libc: ctypes.CDLL, path: Path) -> float:

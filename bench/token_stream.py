@@ -32,15 +32,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from torchbook.data import (
-    HEADER_BYTES,
-    StreamConfig,
-    TokenDataset,
-    TokenStream,
-    open_shard,
-    write_shard,
-)
+from torchbook.data import StreamConfig, TokenDataset, TokenStream
 from torchbook.download import cache_dir
+from torchbook.shards import HEADER_BYTES, open_shard, write_shard
 
 OUTPUT_BYTES_PER_TOKEN = 16  # int64 x and int64 y
 MIN_SPEEDUP = 50  # the stream over the list-based TokenDataset, at the default sizes (README's target)

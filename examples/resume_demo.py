@@ -52,17 +52,12 @@ from torchbook.checkpoint import (
     load_training_checkpoint,
     save_training_checkpoint,
 )
-from torchbook.data import (
-    ShardError,
-    StreamConfig,
-    TokenStream,
-    read_header,
-    write_shard,
-)
+from torchbook.data import StreamConfig, TokenStream
 from torchbook.download import shakespeare_path
 from torchbook.files import atomic_write
 from torchbook.models import GPT, GPTConfig
 from torchbook.profiles import CheckpointSizes, active_profile
+from torchbook.shards import ShardError, read_header, write_shard
 from torchbook.train import TrainConfig, Trainer
 
 IMPORT_SECONDS = time.perf_counter() - STARTED

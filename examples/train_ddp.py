@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from torchbook.data import StreamConfig, TokenStream, read_shards
+from torchbook.data import StreamConfig, TokenStream
 from torchbook.distributed import (
     DistributedContext,
     cleanup_distributed,
@@ -40,6 +40,7 @@ from torchbook.distributed import (
 from torchbook.files import atomic_write, atomic_write_text
 from torchbook.models import GPT, GPTConfig
 from torchbook.profiles import DeviceSizes, active_profile
+from torchbook.shards import read_shards
 from torchbook.train import TrainConfig, Trainer
 
 # DDP all-reduces gradients in buckets of about this many megabytes (default 25). The
@@ -53,7 +54,7 @@ def parse_args() -> argparse.Namespace:
         "--shards",
         type=Path,
         required=True,
-        help="folder written by torchbook.data.write_shards",
+        help="folder written by torchbook.shards.write_shards",
     )
     parser.add_argument(
         "--out", type=Path, required=True, help="folder for rank 0's log and checkpoint"

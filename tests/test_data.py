@@ -18,12 +18,10 @@ from torch.utils.data import DataLoader
 
 import torchbook.data as data
 import torchbook.files as files
-from torchbook.data import (
+from torchbook.data import StreamConfig, TokenDataset, TokenStream
+from torchbook.shards import (
     HEADER_BYTES,
     ShardError,
-    StreamConfig,
-    TokenDataset,
-    TokenStream,
     cached_shards,
     index_path,
     open_shard,
@@ -487,7 +485,7 @@ def test_two_processes_asking_for_one_cache_at_once_both_get_it(tmp_path):
 
 REWRITER = """
 import sys, numpy as np
-from torchbook.data import write_shard
+from torchbook.shards import write_shard
 path, rounds = sys.argv[1], int(sys.argv[2])
 print("started", flush=True)
 for number in range(rounds):  # two contents of different lengths, in turn
@@ -531,7 +529,8 @@ def test_a_reader_sees_the_old_or_the_new_shard_while_another_process_rewrites_i
 
 STALE_STREAM = """
 import sys, numpy as np
-from torchbook.data import ShardError, StreamConfig, TokenStream, write_shard
+from torchbook.data import StreamConfig, TokenStream
+from torchbook.shards import ShardError, write_shard
 path = write_shard(sys.argv[1], np.arange(200_000) % 1_000, vocab_size=1_000, tokenizer="t")
 stream = TokenStream([path], StreamConfig(block_size=64, batch_size=8, shuffle=False))
 write_shard(path, np.arange(1_000), vocab_size=1_000, tokenizer="t")  # what another process might do

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchbook.data import StreamConfig, TokenStream, read_shards, write_shards
+from torchbook.data import StreamConfig, TokenStream
 from torchbook.distributed import (
     LaunchError,
     backend_for,
@@ -34,6 +34,7 @@ from torchbook.distributed import (
 from torchbook.download import shakespeare_path
 from torchbook.models import GPT, GPTConfig
 from torchbook.profiles import active_profile
+from torchbook.shards import read_shards, write_shards
 from torchbook.train import IGNORE_INDEX, TrainConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

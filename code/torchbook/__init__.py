@@ -30,8 +30,10 @@ Chapters 1-5:
 - ``plotting``: loss curves and training diagnostics from a history, memory per kind.
 - ``diagrams``: pictures drawn from live objects: a tensor's storage and strides, broadcasting,
   a module tree with its parameters and buffers, one step under DDP or FSDP2.
-- ``data``: token shards on disk and a streaming ``IterableDataset`` over them,
-  split across workers and ranks, resumable.
+- ``shards``: token ids on disk as shards with a header, written atomically, checked
+  before use, cached.
+- ``data``: the tutorial ``TokenDataset`` and a streaming ``IterableDataset`` over shards,
+  split across workers and ranks, resumable (builds on ``shards``).
 - ``tokenizer``: a byte-level BPE tokenizer trained locally with ``tokenizers``.
 - ``chat``: chat records into training examples (template, prompt masking, padding, packing
   with per-document masks) (builds on ``train`` for ``IGNORE_INDEX``).

@@ -1,6 +1,6 @@
-"""Pictures drawn from live objects: a tensor's storage, broadcasting, a module tree, one distributed step.
+"""Pictures drawn from live objects: a tensor's storage, broadcasting, a module tree.
 
-Chapters 1, 2 and 6 draw these from the tensors, modules and measurements of
+Chapters 1 and 2 draw these from the tensors, modules and measurements of
 their own cells, so a picture stays true when the code changes. Shapes,
 strides and registries are read through the objects' own methods
 (``stride()``, ``named_parameters()``, ...), so this module needs only
@@ -24,9 +24,8 @@ if TYPE_CHECKING:
 PARAMETER_COLOUR = "tab:blue"
 BUFFER_COLOUR = "tab:orange"
 SAVED_BUFFER_COLOUR = "tab:brown"
-STRETCHED_COLOUR = (
-    "#fdd9a0"  # a size-1 or missing dimension that broadcasting stretches
-)
+# a size-1 or missing dimension that broadcasting stretches
+STRETCHED_COLOUR = "#fdd9a0"
 KEPT_COLOUR = "#cfe3f5"  # a dimension whose size is already the result's
 
 
@@ -462,77 +461,3 @@ def plot_module_tree(model: nn.Module, collapse_repeats: bool = True) -> Figure:
     count_ax.xaxis.set_major_formatter("{x:,.0f}")
     count_ax.spines[["top", "right", "left"]].set_visible(False)
     return figure
-
-
-# One training step under DDP or FSDP2 (chapter 6): what a rank computes, and what it sends meanwhile.
-STEP_COLOURS = {
-    "forward": "#c6dbef",
-    "backward": "#6baed6",
-    "all-reduce": "#fd8d3c",
-    "all-gather": "#74c476",
-    "reduce-scatter": "#9e9ac8",
-    "full weights held": "#fee391",
-}
-
-
-def plot_step_timeline(
-    lanes: Mapping[str, Sequence[tuple[float, float, str, str]]],
-    xlabel: str,
-    title: str | None = None,
-) -> Figure:
-    """Draw one training step as rows of boxes; returns the figure.
-
-    ``lanes`` maps a row's name (top to bottom) to its boxes, each ``(start,
-    length, label, kind)``; ``kind`` is a key of ``STEP_COLOURS`` and names the
-    box in the legend. The caller decides the x scale and says it in ``xlabel``.
-    """
-    fig, ax = plt.subplots(figsize=(9, 1.3 + 0.5 * len(lanes)))
-    names = list(lanes)
-    kinds_drawn: dict[str, None] = {}
-    for row, name in enumerate(names):
-        y = len(names) - 1 - row
-        for start, length, label, kind in lanes[name]:
-            ax.barh(
-                y,
-                length,
-                left=start,
-                height=0.6,
-                color=STEP_COLOURS[kind],
-                edgecolor="black",
-                linewidth=0.5,
-            )
-            ax.text(
-                start + length / 2,
-                y,
-                label,
-                ha="center",
-                va="center",
-                fontsize=7,
-                rotation=90 if length < 0.03 * _lane_span(lanes) else 0,
-            )
-            kinds_drawn[kind] = None
-    ax.set_yticks(range(len(names)), list(reversed(names)))
-    ax.set_xlabel(xlabel)
-    ax.set_xlim(0, _lane_span(lanes) * 1.01)
-    handles = [
-        plt.Rectangle((0, 0), 1, 1, color=STEP_COLOURS[kind]) for kind in kinds_drawn
-    ]
-    fig.legend(
-        handles,
-        list(kinds_drawn),
-        loc="lower center",
-        ncol=len(kinds_drawn),
-        fontsize=8,
-        frameon=False,
-    )
-    if title:
-        ax.set_title(title)
-    # room for the legend below the axis label
-    fig.tight_layout(rect=(0, 0.1 + 0.1 / len(lanes), 1, 1))
-    return fig
-
-
-def _lane_span(lanes: Mapping[str, Sequence[tuple[float, float, str, str]]]) -> float:
-    return max(
-        start + length for boxes in lanes.values() for start, length, _, _ in boxes
-    )

@@ -210,18 +210,20 @@ def _ddp_bytes(model: nn.Module, idx: torch.Tensor, bucket_view: bool) -> str:
     return f"{bucket_view} {built[-1]} {backward[-1]}"
 
 
-def _ddp_rank(rank: int, port: int, model: nn.Module, folder: str) -> None:
-    """One of two gloo ranks: ``_ddp_bytes`` without and with bucket views."""
+def _ddp_rank(
+    rank: int, port: int, model: nn.Module, folder: str, bucket_view: bool
+) -> None:
+    """One of two gloo ranks: ``_ddp_bytes`` for one setting, in a fresh process."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     address = f"tcp://127.0.0.1:{port}"
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2)
     idx = torch.randint(0, model.config.vocab_size, (2, model.config.block_size))
-    rows = [_ddp_bytes(model, idx, bucket_view) for bucket_view in (False, True)]
+    row = _ddp_bytes(model, idx, bucket_view)
     if rank == 0:
-        with open(os.path.join(folder, "ddp.txt"), "w") as file:
-            file.write("\n".join(rows))
+        with open(os.path.join(folder, f"ddp-{bucket_view}.txt"), "w") as file:
+            file.write(row)
     dist.destroy_process_group()
 
 
@@ -232,16 +234,20 @@ def ddp_bucket_bytes(
 
     For each setting: (bytes kept once ``DistributedDataParallel(model)`` is
     built: its gradient buckets; bytes a forward and backward leave: the
-    gradients, unless they are views of the buckets). ``model`` is a GPT.
+    gradients, unless they are views of the buckets). ``model`` is a GPT. Each
+    setting runs in processes of its own, so nothing of the other is alive.
     """
     import tempfile
 
     import torch.multiprocessing as mp
 
+    lines = []
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_ddp_rank, args=(port, model, folder), nprocs=2)
-        with open(os.path.join(folder, "ddp.txt")) as file:
-            lines = file.read().splitlines()
+        for offset, bucket_view in enumerate((False, True)):
+            arguments = (port + offset, model, folder, bucket_view)
+            mp.spawn(_ddp_rank, args=arguments, nprocs=2)
+            with open(os.path.join(folder, f"ddp-{bucket_view}.txt")) as file:
+                lines.append(file.read())
     results = {}
     for line in lines:
         view, built, backward = line.split()

@@ -7,7 +7,9 @@ key); ``plot_diagnostics`` draws the three signals that explain a loss curve:
 the learning rate, the gradient norm before clipping against the clip
 threshold, and the throughput; ``plot_memory_by_kind`` stacks chapter 7's
 predicted memory per kind against the sequence length; ``plot_resume_runs``
-draws chapter 5's killed and resumed runs beside the uninterrupted one.
+draws chapter 5's killed and resumed runs beside the uninterrupted one;
+``plot_step_timeline`` draws one training step under DDP or FSDP2 as rows of
+boxes (chapter 6).
 This module needs only matplotlib, so it plots histories from anywhere
 (a live run, or results saved as JSON on another machine).
 """
@@ -243,3 +245,77 @@ def plot_resume_runs(
     bottom.legend(loc="lower left", fontsize="small")
     fig.tight_layout()
     return fig
+
+
+# One training step under DDP or FSDP2 (chapter 6): what a rank computes, and what it sends meanwhile.
+STEP_COLOURS = {
+    "forward": "#c6dbef",
+    "backward": "#6baed6",
+    "all-reduce": "#fd8d3c",
+    "all-gather": "#74c476",
+    "reduce-scatter": "#9e9ac8",
+    "full weights held": "#fee391",
+}
+
+
+def plot_step_timeline(
+    lanes: Mapping[str, Sequence[tuple[float, float, str, str]]],
+    xlabel: str,
+    title: str | None = None,
+) -> Figure:
+    """Draw one training step as rows of boxes; returns the figure.
+
+    ``lanes`` maps a row's name (top to bottom) to its boxes, each ``(start,
+    length, label, kind)``; ``kind`` is a key of ``STEP_COLOURS`` and names the
+    box in the legend. The caller decides the x scale and says it in ``xlabel``.
+    """
+    fig, ax = plt.subplots(figsize=(9, 1.3 + 0.5 * len(lanes)))
+    names = list(lanes)
+    kinds_drawn: dict[str, None] = {}
+    for row, name in enumerate(names):
+        y = len(names) - 1 - row
+        for start, length, label, kind in lanes[name]:
+            ax.barh(
+                y,
+                length,
+                left=start,
+                height=0.6,
+                color=STEP_COLOURS[kind],
+                edgecolor="black",
+                linewidth=0.5,
+            )
+            ax.text(
+                start + length / 2,
+                y,
+                label,
+                ha="center",
+                va="center",
+                fontsize=7,
+                rotation=90 if length < 0.03 * _lane_span(lanes) else 0,
+            )
+            kinds_drawn[kind] = None
+    ax.set_yticks(range(len(names)), list(reversed(names)))
+    ax.set_xlabel(xlabel)
+    ax.set_xlim(0, _lane_span(lanes) * 1.01)
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, color=STEP_COLOURS[kind]) for kind in kinds_drawn
+    ]
+    fig.legend(
+        handles,
+        list(kinds_drawn),
+        loc="lower center",
+        ncol=len(kinds_drawn),
+        fontsize=8,
+        frameon=False,
+    )
+    if title:
+        ax.set_title(title)
+    # room for the legend below the axis label
+    fig.tight_layout(rect=(0, 0.1 + 0.1 / len(lanes), 1, 1))
+    return fig
+
+
+def _lane_span(lanes: Mapping[str, Sequence[tuple[float, float, str, str]]]) -> float:
+    return max(
+        start + length for boxes in lanes.values() for start, length, _, _ in boxes
+    )

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torchbook.device import AUTOCAST_DTYPES, accelerator
+from torchbook.device import accelerator
 
 PROFILE_VARIABLE = "QUARTO_PROFILE"
 PROFILE_NAMES = ("cpu", "gpu")
@@ -261,11 +261,6 @@ class Profile:
     devices: DeviceSizes = DeviceSizes()
     memory: MemorySizes = MemorySizes()
     seed: int = 1337
-
-    @property
-    def autocast_dtype(self) -> torch.dtype | None:
-        """The dtype for ``torch.autocast``, or None when the profile runs in float32."""
-        return None if self.precision == "fp32" else AUTOCAST_DTYPES[self.precision]
 
 
 def parse_profile(value: str | None) -> str:

@@ -5,17 +5,13 @@ forward under ``torch.autocast`` with the loss in float32 (summed over tokens
 and divided by the step's count: the gradient of the *mean* loss over the whole
 step), backpropagates through the fp16 loss scaler, clips, sets the learning
 rate, steps and zeroes the gradients; the numbered comments follow that order.
-Losses stay on the device and are read to the host (a sync) only every
-``log_every`` steps, when a ``history`` row is written. A NaN or inf gradient
-norm is recorded on the device at its step (fp32, bf16: nothing skips it), and
-``log`` and ``state_dict`` raise ``NonFiniteLossError`` naming that step. In
-fp16 the scaler skips such steps; the step reads the scale (a sync) to know.
+Losses stay on the device and are read to the host (a sync) every
+``log_every`` steps. A NaN or inf gradient norm is recorded on the device at its
+step; ``log`` and ``state_dict`` raise ``NonFiniteLossError`` naming it.
 
 **The step is the API**: ``Trainer.train_step(micro_batches)``, called by each
-script in a short loop of its own. ``load_state_dict`` parses all of a saved
-state into a ``TrainerState`` before changing anything. It builds on
-``torchbook.optim`` and ``torchbook.state_dicts``. The loop draws no random
-numbers: the caller seeds them.
+script in a short loop of its own that seeds the random numbers. It builds on
+``torchbook.optim`` and ``torchbook.state_dicts``.
 
 **Distributed.** With more than one rank the model must be DDP or FSDP2, which
 *average* gradients: the step all-reduces the token count, scales each loss by
@@ -133,13 +129,11 @@ def summed_loss(
 ) -> Tensor:
     """The forward under autocast in ``precision``, then the cross-entropy *summed*.
 
-    The sum runs over ``y``'s target tokens. The loss is taken outside autocast, on
-    logits cast to float32: log-softmax over a large vocabulary loses digits in
-    bf16/fp16. A sum, so that the step divides by the token count of all its
-    micro-batches. With ``loss_chunks`` > 1 (a GPT) the model returns its final hidden
-    states, and the head and the loss run over that many slices of the sequence, each
-    under ``checkpoint``: one slice's float32 logits exist
-    at a time, in the backward pass too, instead of all (tokens, vocab_size) of them.
+    Summed over ``y``'s target tokens, so the step divides by the token count of all
+    its micro-batches; outside autocast, on float32 logits, since log-softmax over a
+    large vocabulary loses digits in bf16/fp16. With ``loss_chunks`` > 1 (a GPT) the
+    head and the loss run over that many slices of the final hidden states, each under
+    ``checkpoint``: one slice's float32 logits exist at a time, backward too.
     """
     with torch.autocast(
         x.device.type, dtype=AUTOCAST_DTYPES[precision], enabled=precision != "fp32"
