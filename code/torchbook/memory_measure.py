@@ -208,8 +208,8 @@ def _ddp_bytes(model: nn.Module, idx: torch.Tensor, bucket_view: bool) -> str:
 
     ddp: list[nn.Module] = []  # keeps the module, and its buckets, alive
     # No communication is counted: init_sync=False skips the broadcast of the
-    # weights, and the hook below the all-reduce, whose buffers gloo's threads free
-    # out of the profiler's sight (counted, they made the bytes read high at times).
+    # weights, and the hook below the all-reduce. With them, the bytes read high
+    # now and then (a built DDP once twice its buckets).
     built = allocation_totals(
         lambda: ddp.append(
             DistributedDataParallel(
