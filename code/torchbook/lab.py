@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torchbook.device import AUTOCAST_DTYPES, synchronize
+from torchbook.device import AUTOCAST_DTYPES, timed
 from torchbook.download import mnist_root
 from torchbook.files import atomic_write
 from torchbook.mnist import resident_batches, resident_mnist
@@ -199,21 +199,21 @@ def lab_run(
         "epoch_seconds": [],
     }
     for _ in range(sizes.epochs):
-        synchronize(profile.device)
-        started = time.perf_counter()
-        losses = train_epoch(
-            model,
-            optimizer,
-            scheduler,
-            data.train_images,
-            data.train_labels,
-            sizes.batch_size,
-            generator,
-            accum_steps,
-            precision,
+        losses, epoch_s = timed(
+            lambda: train_epoch(
+                model,
+                optimizer,
+                scheduler,
+                data.train_images,
+                data.train_labels,
+                sizes.batch_size,
+                generator,
+                accum_steps,
+                precision,
+            ),
+            profile.device,
         )
-        synchronize(profile.device)
-        history["epoch_seconds"].append(time.perf_counter() - started)
+        history["epoch_seconds"].append(epoch_s)
         history["step_loss"] += torch.stack(losses).tolist()
         accuracy, loss = accuracy_and_loss(
             model, data.test_images, data.test_labels, precision
@@ -221,6 +221,14 @@ def lab_run(
         history["epoch_accuracy"].append(accuracy)
         history["epoch_test_loss"].append(loss)
     return model, history
+
+
+def _one_step(model, optimizer, scheduler, images: Tensor, labels: Tensor) -> None:
+    """One plain training step, as drill 2 times it."""
+    F.cross_entropy(model(images), labels).backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def compile_timing(
@@ -248,15 +256,11 @@ def compile_timing(
     )
     for images, labels in batches:
         for name, model in models.items():  # alternate: load changes hit both alike
-            optimizer, scheduler = optimizers[name]
-            synchronize(profile.device)
-            started = time.perf_counter()
-            F.cross_entropy(model(images), labels).backward()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            synchronize(profile.device)
-            seconds[name].append(time.perf_counter() - started)
+            _, step_s = timed(
+                partial(_one_step, model, *optimizers[name], images, labels),
+                profile.device,
+            )
+            seconds[name].append(step_s)
     eager_s, compiled_s = (
         statistics.median(seconds[name][1:]) for name in ("eager", "compiled")
     )
