@@ -22,6 +22,7 @@ from torchbook.memory import (
 )
 from torchbook.memory_measure import (
     ddp_bucket_bytes,
+    growing_batch,
     peak_bytes,
     saved_activation_bytes,
     state_bytes,
@@ -316,6 +317,32 @@ def test_grouped_query_attention_divides_the_cache_by_the_group_size():
     assert kv_cache_bytes(CONFIG, 1, 100, 2, kv_heads=1) * CONFIG.n_head == full
     with pytest.raises(ValueError, match="kv_heads=3 must divide n_head=4"):
         kv_cache_bytes(CONFIG, 1, 100, 2, kv_heads=3)
+
+
+def test_growing_batch_refuses_a_device_without_a_caching_allocator():
+    with pytest.raises(ValueError, match="device 'cpu' is not CUDA"):
+        growing_batch("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_expandable_segments_reserve_less_for_a_growing_batch():
+    import os
+    import subprocess
+    import sys
+
+    code = "from torchbook.memory_measure import growing_batch; print(*growing_batch())"
+    reserved = {}
+    for expandable in (False, True):
+        env = {
+            **os.environ,
+            "PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:{expandable}",
+        }
+        run = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, check=True
+        )
+        allocated, reserved[expandable] = map(int, run.stdout.split())
+        assert reserved[expandable] >= allocated
+    assert reserved[True] < reserved[False]
 
 
 @pytest.mark.slow

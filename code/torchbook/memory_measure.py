@@ -12,7 +12,9 @@ the names of the two loops it runs (no formula).
   ``respect_saved_tensors_hooks=True``, what selective checkpointing keeps);
 - ``peak_bytes``: the most bytes a step allocates at once, from the
   allocator's own records;
-- ``ddp_bucket_bytes``: what DistributedDataParallel keeps on two CPU ranks.
+- ``ddp_bucket_bytes``: what DistributedDataParallel keeps on two CPU ranks;
+- ``growing_batch``: what CUDA's caching allocator reserves when a step's
+  tensors double in size.
 """
 
 from __future__ import annotations
@@ -191,6 +193,28 @@ def peak_bytes(step: Callable[[], object], device: torch.device) -> int:
             "are the host's memory, so only 'cpu' and 'cuda' are supported"
         )
     return max(0, *allocation_totals(step))
+
+
+MiB = 2**20
+
+
+def growing_batch(device: str = "cuda") -> tuple[int, int]:
+    """Peak bytes allocated and reserved when a step's tensors double in size.
+
+    Eight 16 MiB tensors are made and freed, then four of 32 MiB: the same
+    bytes, as when a batch follows one of half its size. Set
+    ``PYTORCH_CUDA_ALLOC_CONF`` before the process first touches CUDA.
+    """
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"growing_batch: device {device!r} is not CUDA")
+    torch.cuda.reset_peak_memory_stats(device)
+    for size, count in ((16 * MiB, 8), (32 * MiB, 4)):  # 128 MiB each time
+        batch = [
+            torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)
+        ]
+        del batch  # freed; the allocator keeps the blocks for the next batch
+    peak = torch.cuda.max_memory_allocated(device)
+    return peak, torch.cuda.max_memory_reserved(device)
 
 
 # No annotations: DDP checks them against its own types, and this module's
