@@ -28,11 +28,6 @@ on, so the RNG state must be restored too.
 
 from __future__ import annotations
 
-import time
-
-# before the other imports: the final file reports how long they took
-STARTED = time.perf_counter()
-
 import argparse
 import io
 import os
@@ -60,7 +55,6 @@ from torchbook.profiles import CheckpointSizes, active_profile
 from torchbook.shards import ShardError, read_header, write_shard
 from torchbook.train import TrainConfig, Trainer
 
-IMPORT_SECONDS = time.perf_counter() - STARTED
 BYTE_VOCAB = 256  # tokens are the bytes of the text: no tokenizer needed
 LEARNING_RATE = 1e-3
 WARMUP_STEPS = 4
@@ -280,7 +274,6 @@ def main(argv: list[str] | None = None) -> int:
         for change in resumed.config_changes(run.trainer.config):
             print(f"training configuration changed: {change}", flush=True)
 
-    training_started = time.perf_counter()
     if args.kill_after_checkpoint is not None:
         run.train_until(args.kill_after_checkpoint * args.save_every)
         print(f"killed after checkpoint {args.kill_after_checkpoint}", flush=True)
@@ -297,8 +290,6 @@ def main(argv: list[str] | None = None) -> int:
         "losses": [row["loss"] for row in trainer.history],
         "steps": [row["step"] for row in trainer.history],
         "lrs": [row["lr"] for row in trainer.history],
-        "import_seconds": IMPORT_SECONDS,
-        "train_seconds": time.perf_counter() - training_started,
     }
     atomic_write(args.out, lambda temporary: torch.save(result, temporary))
     print(
