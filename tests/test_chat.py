@@ -1,4 +1,4 @@
-"""Tests for chat examples: prompt masking, padding with an attention mask, packing (cut, or whole documents)."""
+"""Tests for chat examples: prompt masking, padding with an attention mask, packing whole documents."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from torchbook.chat import (
     PadCollate,
     chat_example,
     pack_documents,
-    pack_examples,
     render_chat,
 )
 from torchbook.models import GPT, GPTConfig
@@ -82,26 +81,6 @@ def test_padding_masks_attention_and_labels_of_the_pad_positions():
         ).all()
 
 
-def test_packing_keeps_every_token_in_order_and_reports_the_tail():
-    examples = [
-        chat_example(MESSAGES[:2], char_encode),
-        chat_example(MESSAGES[2:], char_encode),
-    ]
-    packed = pack_examples(examples, block_size=16)
-    stream = examples[0]["input_ids"] + examples[1]["input_ids"]
-    blocks = packed["input_ids"]
-    assert blocks.shape[1] == 16
-    assert blocks.flatten().tolist() == stream[: blocks.numel()]
-    assert int(packed["dropped_tokens"]) == len(stream) - blocks.numel() < 16
-    labels = examples[0]["labels"] + examples[1]["labels"]
-    assert packed["labels"].flatten().tolist() == labels[: blocks.numel()]
-
-
-def test_packing_refuses_data_shorter_than_one_block():
-    with pytest.raises(ValueError, match="block_size=1000"):
-        pack_examples([chat_example(MESSAGES[:2], char_encode)], block_size=1000)
-
-
 def documents(lengths, seed=0, vocab_size=50):
     """Plain documents of the given lengths: every token is learned (labels = input_ids)."""
     generator = torch.Generator().manual_seed(seed)
@@ -161,7 +140,9 @@ def test_pack_documents_refuses_an_empty_example_naming_it(position):
         pack_documents(examples, row_length=4)
 
 
-def per_document_losses(lengths=(7, 12, 5, 9, 3), row_length=16, mask=True):
+def per_document_losses(
+    lengths=(7, 12, 5, 9, 3), row_length=16, mask=True, restart_positions=True
+):
     """Each document's mean loss packed (with or without the document mask) and alone, by a small GPT."""
     torch.manual_seed(0)
     model = GPT(
@@ -170,8 +151,10 @@ def per_document_losses(lengths=(7, 12, 5, 9, 3), row_length=16, mask=True):
     examples = documents(lengths)
     packed = pack_documents(examples, row_length=row_length)
     document_ids = packed["document_ids"] if mask else None
+    # None: positions 0 .. row_length-1 run on across the row
+    position_ids = packed["position_ids"] if restart_positions else None
     logits = model(
-        packed["tokens"], position_ids=packed["position_ids"], document_ids=document_ids
+        packed["tokens"], position_ids=position_ids, document_ids=document_ids
     )
     token_losses = F.cross_entropy(
         logits.flatten(0, 1), packed["targets"].flatten(), reduction="none"
@@ -192,6 +175,18 @@ def test_each_documents_loss_packed_equals_its_loss_alone():
     # 1e-6: masked keys weigh exactly 0, so only float32 summation order differs
     # (SDPA over a longer row with a mask), a few ulps of losses near log(50) = 3.9.
     torch.testing.assert_close(packed, alone, atol=1e-6, rtol=0)
+
+
+def test_with_rope_and_the_mask_positions_running_on_across_the_row_change_no_loss():
+    # RoPE scores depend on the distance between positions, which the offset of a
+    # document in its row does not change. 1e-6 (as above): rotations by larger
+    # angles round differently in float32, a few ulps of losses near 3.9; tables
+    # that are not rotations (absolute positions) move these losses by ~5e-5.
+    running, alone = per_document_losses(restart_positions=False)
+    torch.testing.assert_close(running, alone, atol=1e-6, rtol=0)
+    # the check can fail: without the mask, running positions do change the losses
+    unmasked, _ = per_document_losses(mask=False, restart_positions=False)
+    assert (unmasked - alone).abs().max() > 1e-4
 
 
 def test_without_the_document_mask_every_document_after_the_first_in_its_row_changes():

@@ -9,17 +9,16 @@ Labels sit on the same positions as ``input_ids`` (Hugging Face's convention);
 shift by one when computing the loss: ``x = input_ids[:, :-1]``,
 ``y = labels[:, 1:]``.
 
-Three ways to batch examples of different lengths:
+Two ways to batch examples of different lengths:
 
 - ``PadCollate`` pads each batch to its longest example and returns an
   ``attention_mask`` (1 = real token, 0 = padding); padded labels are -100.
-- ``pack_examples`` concatenates examples and cuts fixed blocks: no padding
-  is wasted, but a block can hold the end of one conversation and the start
-  of the next, so attention crosses between them unless the model masks it.
 - ``pack_documents`` places whole examples side by side in rows and says
   where each one lies (``position_ids`` restarting at 0, ``document_ids``), so
   a model that masks attention per document (``GPT.forward(idx, position_ids=...,
   document_ids=...)``) computes each example exactly as if it were alone.
+  Concatenating examples and cutting fixed blocks wastes no position either,
+  but without such a mask attention crosses from one conversation into the next.
 
 It builds on ``torchbook.train`` for ``IGNORE_INDEX``, the label the training loss skips.
 """
@@ -118,31 +117,6 @@ class PadCollate:
         }
 
 
-def pack_examples(examples: Sequence[dict], block_size: int) -> dict[str, torch.Tensor]:
-    """Concatenate examples and cut them into ``(n_blocks, block_size)`` tensors; the short tail is dropped.
-
-    Returns ``input_ids``, ``labels`` and ``dropped_tokens`` (how many tokens the
-    tail held, so the loss of data is visible).
-    """
-    ids = torch.as_tensor(
-        [t for e in examples for t in e["input_ids"]], dtype=torch.long
-    )
-    labels = torch.as_tensor(
-        [t for e in examples for t in e["labels"]], dtype=torch.long
-    )
-    n_blocks = len(ids) // block_size
-    if n_blocks == 0:
-        raise ValueError(
-            f"block_size={block_size}: the examples hold only {len(ids)} tokens, not one block"
-        )
-    used = n_blocks * block_size
-    return {
-        "input_ids": ids[:used].view(n_blocks, block_size),
-        "labels": labels[:used].view(n_blocks, block_size),
-        "dropped_tokens": torch.tensor(len(ids) - used),
-    }
-
-
 def pack_documents(
     examples: Sequence[dict], row_length: int, pad_id: int = 0
 ) -> dict[str, torch.Tensor]:
@@ -154,6 +128,13 @@ def pack_documents(
     belongs to another example; ``position_ids``, restarting at 0 in each
     example; ``document_ids``, the example's index in ``examples``, and -1 on
     the padding that ends a row no example fits into.
+
+    With RoPE and the document mask, positions that run on across the row give
+    the same losses up to rounding (a query-key score depends only on the
+    distance between the two positions). Restarting them is still the
+    convention: learned absolute position embeddings (GPT-2) need it, and
+    Hugging Face's padding-free training finds document boundaries from
+    ``position_ids`` that restart at 0.
     """
     rows: list[list[int]] = []  # indices of the examples in each row
     free: list[int] = []  # tokens still free in each row

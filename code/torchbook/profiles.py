@@ -92,7 +92,6 @@ class DataSizes:
     tutorial_timed_batches: int = size(cpu=30, gpu=100)
     chat_records: int = 200  # local chat records built from Tiny Shakespeare
     chat_batch_size: int = 8
-    chat_block_size: int = 128
 
 
 @dataclass(frozen=True)
