@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchbook.device import hardware_name
 from torchbook.plotting import plot_history
 from torchbook.results import (
     ResultsError,
@@ -58,7 +59,10 @@ def test_a_written_result_reads_back_with_its_history_and_provenance(tmp_path, s
     assert result.provenance["torch_version"] == torch.__version__
     assert result.provenance["wall_seconds"] == 1.5
     assert set(result.provenance["sources"]) == {"code/model.py", "code/train.py"}
-    assert result.label.startswith("CPU ")
+    # the caption's label: the hardware in words, then the date
+    name, date = result.label.rsplit(", ", 1)
+    assert name == hardware_name(torch.device("cpu"))
+    assert date == result.provenance["date"][:10]
 
 
 def test_a_trainer_history_survives_the_trip_through_a_results_file(tmp_path, sources):

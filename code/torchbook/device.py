@@ -1,11 +1,14 @@
 """The device helpers every module may need: precision dtypes, the accelerator, timing.
 
+And the hardware named in words, for a timing or a provenance record.
+
 A small module on purpose: the training loop and the measurements import it
 without the profiles and their run sizes (``torchbook.profiles`` builds on it).
 """
 
 from __future__ import annotations
 
+import platform
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -31,6 +34,23 @@ def accelerator() -> torch.device | None:
     if mps is not None and mps.is_available():
         return torch.device("mps")
     return None
+
+
+def hardware_name(device: torch.device) -> str:
+    """The hardware behind ``device`` in words: a timing means little without it.
+
+    A CPU is named by its vector instructions (``get_cpu_capability``: avx2,
+    avx512, ...), which decide how fast it computes in bf16, and its threads.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return f"Apple MPS ({platform.machine()})"
+    threads = torch.get_num_threads()
+    plural = "s" if threads > 1 else ""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{platform.machine()} CPU ({capability}, {threads} thread{plural})"
 
 
 def synchronize(device: torch.device) -> None:

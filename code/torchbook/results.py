@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from torchbook.device import hardware_name
 from torchbook.files import atomic_write_text
 
 RESULTS_FORMAT = "torchbook.results"
@@ -112,13 +113,11 @@ def describe_device(device: torch.device) -> tuple[str, str, str]:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return (
-            torch.cuda.get_device_name(device),
+            hardware_name(device),
             f"{major}.{minor}",
             torch.version.cuda or "",
         )
-    if device.type == "mps":
-        return f"Apple MPS ({platform.machine()})", "", ""
-    return f"CPU {platform.machine()} ({torch.get_num_threads()} threads)", "", ""
+    return hardware_name(device), "", ""
 
 
 def make_provenance(
