@@ -9,12 +9,12 @@ machine whose cores other jobs also use, two OpenMP threads per process spin
 waiting for each other and a chapter takes several times longer; one thread
 costs little on an idle 2-core machine and makes the timings predictable.
 
-Tests also run as a reader's laptop does (EMULATE_AVX2): most readers' CPUs
-have AVX2 and no bf16 instructions, where bf16 runs an order of magnitude
-slower than float32 (on one thread of an AVX2 EPYC: 14 times for a transformer
-layer's step, 50 times for a 512 x 512 matmul). A CPU with AVX512-BF16 or AMX would hide a chapter that
-takes minutes there, so ATen's own kernels, oneDNN's (bf16 matmuls on an
-AVX-512 CPU) and MKL's (float32 matmuls) are capped at AVX2, so no bf16
+Tests also run as a reader's laptop does (EMULATE_AVX2): most readers' CPUs have
+AVX2 and no bf16 instructions, where bf16 runs an order of magnitude slower than
+float32 (on one thread of an AVX2 EPYC: 14 times for a transformer layer's step,
+50 times for a 512 x 512 matmul). A CPU with AVX512-BF16 or AMX would hide a
+chapter that takes minutes there, so ATen's own kernels, oneDNN's (bf16 matmuls
+on an AVX-512 CPU) and MKL's (float32 matmuls) are capped at AVX2, so no bf16
 instruction is used. On an AVX-512 CPU PyTorch still sends bf16 matmuls to
 oneDNN, whose AVX2 code then runs them; how its speed compares with PyTorch's
 own AVX2 path on a real laptop has not been measured here.

@@ -1,6 +1,7 @@
-"""Save and load throughput of torch.save/torch.load against safetensors, next to the disk's own bandwidth.
+"""Save and load throughput: torch.save/torch.load, safetensors and the disk itself.
 
-    .venv/bin/python bench/checkpoint_io.py [--n-layer 12 --d-model 768 --vocab-size 50304] [--rounds 3]
+    .venv/bin/python bench/checkpoint_io.py
+        [--n-layer 12 --d-model 768 --vocab-size 50304] [--rounds 3]
 
 The model is a GPT-2-small-sized GPT (about 124 M parameters, ~500 MB in
 float32; the tied head is stored once by both formats). Every save is
@@ -76,7 +77,7 @@ _libc.mincore.argtypes = [
 
 
 def resident_fraction(path: Path) -> float:
-    """Share of the file's pages that are in the page cache right now (Linux ``mincore``)."""
+    """Share of the file's pages in the page cache right now (Linux ``mincore``)."""
     size = path.stat().st_size
     page = os.sysconf("SC_PAGE_SIZE")
     pages = (size + page - 1) // page
@@ -97,7 +98,7 @@ def resident_fraction(path: Path) -> float:
 
 
 def drop_from_page_cache(path: Path) -> float:
-    """Ask the kernel to drop the file's (clean) cached pages; return the share still resident."""
+    """Ask the kernel to drop the file's clean cached pages; return the share left."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)  # dirty pages cannot be dropped; after this none are dirty
@@ -112,9 +113,9 @@ def best_of_interleaved(
     rounds: int,
     before: Callable[[str], object] | None = None,
 ) -> dict[str, float]:
-    """Best wall time of each action over ``rounds`` rounds that run every action once, in turn.
+    """Best wall time of each action over ``rounds`` rounds of every action in turn.
 
-    ``before(name)`` runs untimed ahead of each timed run (to drop a file from the page cache).
+    ``before(name)`` runs untimed before each timed run (to drop a file from the cache).
     """
     times: dict[str, list[float]] = {name: [] for name in actions}
     for _ in range(rounds):
@@ -128,13 +129,13 @@ def best_of_interleaved(
 
 
 def touch_pages(state_dict: dict[str, torch.Tensor]) -> None:
-    """Read one float32 per 4 KiB page of every tensor, so lazily mapped bytes really come from the file."""
+    """Read a float32 per 4 KiB page of each tensor, so mapped bytes are really read."""
     for tensor in state_dict.values():
         tensor.reshape(-1)[::FLOATS_PER_PAGE].sum()
 
 
 def write_plain(path: Path, payload: memoryview) -> None:
-    """Write ``payload`` with plain write calls, then fsync: the disk's durable write bandwidth."""
+    """Write ``payload`` with plain writes and fsync: the disk's durable bandwidth."""
     with open(path, "wb", buffering=0) as handle:
         for start in range(0, len(payload), WRITE_CHUNK_BYTES):
             handle.write(payload[start : start + WRITE_CHUNK_BYTES])
@@ -204,8 +205,9 @@ def main() -> None:
             "safetensors": safetensors_path.stat().st_size,
         }
 
-        # Every loader's tensors are touched once per page afterwards: a lazy (memory-mapped)
-        # loader returns before reading, and its time would otherwise not include the disk.
+        # Every loader's tensors are touched once per page afterwards: a lazy
+        # (memory-mapped) loader returns before reading, and its time would otherwise
+        # not include the disk.
         loads = {
             "torch.load(weights_only=True)": lambda: touch_pages(
                 torch.load(torch_path, map_location="cpu", weights_only=True)

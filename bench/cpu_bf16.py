@@ -1,4 +1,4 @@
-"""How much slower bf16 is than float32 on this CPU, natively and as a reader's laptop runs it.
+"""How much slower bf16 is than float32 here, natively and as a reader's laptop runs it.
 
 Most readers' CPUs (AVX2 only: AMD Zen 2/3, Intel consumer chips, Apple M1 under
 Rosetta) have no bf16 instructions, so a bf16 matmul there is emulated and runs

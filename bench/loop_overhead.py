@@ -1,14 +1,15 @@
 """How much slower is the book's Trainer than a minimal hand-written loop?
 
 Both train the same GPT on the same pre-generated token batches for the same
-number of steps, in float32, with the same optimizer (``build_adamw``:
-AdamW, two weight-decay groups, the fused kernel where the device has one) and
-gradient clipping at 1.0, so what differs is the loop alone. Runs alternate in one process (book, hand-written,
-hand-written, book, ...) so that load from other processes hits both alike,
-and the median of the per-pair ratios is reported. Runs are short (a fraction
-of a second) and pairs many, so a change in load rarely falls between the two
-halves of a pair; process CPU time is printed beside wall time as a second
-opinion, since it is less sensitive to other processes on a shared machine.
+number of steps, in float32, with the same optimizer (``build_adamw``: AdamW,
+two weight-decay groups, the fused kernel where the device has one) and gradient
+clipping at 1.0, so what differs is the loop alone. Runs alternate in one
+process (book, hand-written, hand-written, book, ...) so that load from other
+processes hits both alike, and the median of the per-pair ratios is reported.
+Runs are short (a fraction of a second) and pairs many, so a change in load
+rarely falls between the two halves of a pair; process CPU time is printed
+beside wall time as a second opinion, since it is less sensitive to other
+processes on a shared machine.
 
 What differs, on purpose:
 - the Trainer counts target tokens and computes the loss as a token-weighted
@@ -101,9 +102,10 @@ def run_hand_written(model: GPT, batches, device: torch.device) -> tuple[float, 
 def fixed_cost_per_step(
     device: torch.device, steps: int = 300, repeats: int = 5
 ) -> tuple[float, float]:
-    """Seconds per step of both loops on the seed's TinyMLP, where compute is tiny and bookkeeping shows.
+    """Seconds per step of both loops on the tutorial TinyMLP.
 
-    Best of ``repeats`` (the minimum is the least disturbed by other processes).
+    Compute is tiny there, so the bookkeeping shows. Best of ``repeats`` (the minimum
+    is the least disturbed by other processes).
     """
     generator = torch.Generator().manual_seed(2)
     batches = [
@@ -147,7 +149,7 @@ def main() -> None:
 
     book_times, hand_times, ratios, cpu_ratios = [], [], [], []
     for pair in range(args.pairs):
-        # Alternate which goes first, so a drift in machine load does not favour one side.
+        # Alternate which goes first, so a drift in load does not favour one side.
         order = [("book", run_book), ("hand", run_hand_written)]
         if pair % 2:
             order.reverse()

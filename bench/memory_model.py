@@ -1,4 +1,4 @@
-"""The memory model of torchbook.memory against measurements, over a grid of configurations.
+"""The memory model of torchbook.memory against measurements over many configurations.
 
 For each configuration (model, batch, sequence length, precision, checkpointing
 none / selective / full, dropout, chunked loss, and the loop: the book's

@@ -1,10 +1,10 @@
-"""How much slower is the lab's training, as ``make gpu-results`` runs it, than a bare loop?
+"""How much slower is the lab's training loop than a bare loop?
 
 The lab's loop is ``train_epoch`` in ``torchbook.lab``, which ``make
 gpu-results`` runs. Both train the lab's MLP from the same seeded weights, over
-the same resident MNIST tensors in the same seeded order, for the same number of steps (one
-epoch), with the same AdamW and cosine schedule, and both then compute the
-test accuracy once. Runs alternate in one process (lab, bare, bare, lab, ...)
+the same resident MNIST tensors in the same seeded order, for the same number of
+steps (one epoch), with the same AdamW and cosine schedule, and both then compute
+the test accuracy once. Runs alternate in one process (lab, bare, bare, lab, ...)
 so that load from other processes hits both alike; the median of the
 per-pair ratios is reported, with process CPU time beside wall time as a
 second opinion (less sensitive to other processes on a shared machine).
@@ -40,7 +40,7 @@ def steps_per_epoch(data: lab.MnistTensors, batch_size: int) -> int:
 
 
 def run_lab(data: lab.MnistTensors, profile) -> tuple[float, float, float]:
-    """One epoch of the lab's training, through ``lab.lab_run``: (wall s, CPU s, accuracy)."""
+    """One epoch of training via ``lab.lab_run``: (wall s, CPU s, accuracy)."""
     sizes = dataclasses.replace(profile.lab, epochs=1)
     synchronize(profile.device)
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -54,7 +54,7 @@ def run_lab(data: lab.MnistTensors, profile) -> tuple[float, float, float]:
 
 
 def run_bare(data: lab.MnistTensors, profile) -> tuple[float, float, float]:
-    """The same epoch as a bare loop: forward, mean loss, backward, step, schedule, zero."""
+    """The same epoch, bare: forward, mean loss, backward, step, schedule, zero."""
     sizes = profile.lab
     model = lab.fresh_model(sizes.hidden, profile.seed, profile.device)
     optimizer, scheduler = lab.lab_optimizer(

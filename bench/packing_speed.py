@@ -62,7 +62,7 @@ def padded_batches(examples: list[dict], batch_size: int, pad_id: int) -> list:
 
 
 def packed_batches(examples: list[dict], batch_size: int, pad_id: int) -> list:
-    """(tokens, targets, packing) per batch of packed rows as long as the longest example."""
+    """Per batch: (tokens, targets, packing) in rows as long as the longest example."""
     row_length = max(len(e["input_ids"]) for e in examples)
     rows = pack_documents(examples, row_length=row_length, pad_id=pad_id)
     batches = []

@@ -30,7 +30,7 @@ from torchbook.shards import open_shard, write_shards
 
 
 def resident_fraction(libc: ctypes.CDLL, path: Path) -> float:
-    """Fraction of a file's pages in the page cache (Linux mincore); reads none of them."""
+    """Fraction of a file's pages in the page cache (Linux mincore); reads no page."""
     view = np.memmap(path, dtype=np.uint8, mode="r")
     pages = -(-view.size // mmap.PAGESIZE)
     flags = (ctypes.c_ubyte * pages)()

@@ -1,4 +1,4 @@
-"""Tokens per second: the streaming TokenStream against the list-based TokenDataset and nanoGPT's get_batch.
+"""Tokens per second: TokenStream, the list-based TokenDataset, nanoGPT's get_batch.
 
 All three read the same uint16 shard in seeded-random order and produce int64
 ``(x, y)`` batches of 32 x 256 tokens. For scale, the machine's memory-copy
@@ -41,7 +41,7 @@ MIN_SPEEDUP = 50  # the stream over the list-based TokenDataset, at the default 
 
 
 def make_shard(folder: Path, num_tokens: int, vocab_size: int, seed: int) -> Path:
-    """A shard of random token ids (reused when it already exists with the same size)."""
+    """A shard of random token ids (reused if it already exists with the same size)."""
     path = folder / f"bench_{num_tokens}.bin"
     try:
         if len(open_shard(path)) == num_tokens:
@@ -57,7 +57,7 @@ def make_shard(folder: Path, num_tokens: int, vocab_size: int, seed: int) -> Pat
 
 
 def rate(batches, count: int) -> float:
-    """Tokens per second of ``x`` over ``count`` batches of an iterator (after one warm-up batch)."""
+    """Tokens per second of ``x`` over ``count`` batches, after one warm-up batch."""
     iterator = iter(batches)
     next(iterator)
     tokens = 0
@@ -69,7 +69,7 @@ def rate(batches, count: int) -> float:
 
 
 def tutorial_batches(path: Path, block: int, batch: int, seed: int):
-    """The tutorial version: a Python list, a map-style dataset, a shuffling DataLoader."""
+    """The tutorial version: Python list, map-style dataset, shuffling DataLoader."""
     tokens = open_shard(path).tolist()
     dataset = TokenDataset(tokens, block)
     return DataLoader(
@@ -81,7 +81,10 @@ def tutorial_batches(path: Path, block: int, batch: int, seed: int):
 
 
 def get_batch_batches(path: Path, block: int, batch: int, seed: int):
-    """nanoGPT-style get_batch: random offsets, one slice per row, stacked; the memmap reopened per batch as nanoGPT does."""
+    """nanoGPT-style get_batch: random offsets, one slice per row, stacked.
+
+    The memmap is reopened for every batch, as nanoGPT does.
+    """
     generator = torch.Generator().manual_seed(seed)
     while True:
         # the ids after the shard's header
@@ -100,7 +103,10 @@ def get_batch_batches(path: Path, block: int, batch: int, seed: int):
 
 
 def stream_batches(path: Path, block: int, batch: int, seed: int):
-    """TokenStream through a DataLoader, as the training loop uses it (batch_size=None, no workers)."""
+    """TokenStream through a DataLoader, as the training loop uses it.
+
+    ``batch_size=None`` and no workers.
+    """
     stream = TokenStream(
         [path],
         StreamConfig(
@@ -111,7 +117,10 @@ def stream_batches(path: Path, block: int, batch: int, seed: int):
 
 
 def copy_bandwidth(num_bytes: int, repeats: int) -> float:
-    """Bytes per second of ``np.copyto`` between two buffers of ``num_bytes``, the destination pre-touched."""
+    """Bytes per second of ``np.copyto`` from one ``num_bytes`` buffer to another.
+
+    The destination is pre-touched.
+    """
     source = np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8)
     # every page touched, so no page faults are timed
     destination = np.ones_like(source)

@@ -1,4 +1,4 @@
-"""Rebuild every full-size result the book shows, as JSON files with provenance (``make gpu-results``).
+"""Rebuild every full-size result the book shows as JSON files with provenance.
 
 Run on a GPU machine with the gpu profile (``QUARTO_PROFILE=gpu``, what ``make
 gpu-results`` sets), it trains chapter 3's language model at full size in
@@ -159,7 +159,7 @@ def run_compile(
     warmup_steps: int = COMPILE_WARMUP_STEPS,
     timed_steps: int = COMPILE_TIMED_STEPS,
 ) -> Path:
-    """Chapter 3's GPT at ``sizes``, eager against ``torch.compile``: first step and steady step.
+    """Chapter 3's GPT at ``sizes``, eager vs ``torch.compile``: first and steady step.
 
     The first compiled step runs with the compiler's caches off, so its
     compilation time is a cold start's.
@@ -237,7 +237,7 @@ LAB_SOURCES = (
 
 
 def run_lab(out: Output, profile: Profile, sizes: LabSizes) -> Path:
-    """The seven drills at ``sizes``; writes ``lab-<profile>.json`` with every number and each run's history."""
+    """The seven drills at ``sizes``; numbers, histories to ``lab-<profile>.json``."""
     started = time.perf_counter()
     data = load_data(profile.device)
     metrics, series = run_drills(data, sizes, profile)
@@ -266,7 +266,10 @@ MEMORY_SOURCES = (
 
 
 def run_memory(out: Output, profile: Profile, sizes: MemorySizes) -> Path:
-    """Chapter 7's GPT at its longest context: tokens/s, FLOPs per token, matmul peak, MFU, peak bytes."""
+    """Chapter 7's GPT at its longest context: tokens/s, FLOPs/token, MFU, peak memory.
+
+    MFU is against the device's measured matmul peak, which is recorded beside it.
+    """
     steps = max(sizes.seq_lens)
     config = GPTConfig(
         sizes.vocab_size, steps, sizes.n_layer, sizes.n_head, sizes.d_model
@@ -338,7 +341,7 @@ RUN_SOURCES = {
 
 
 def dry_run(out: Output, profile: Profile, runs: list[str]) -> list[Path]:
-    """Each run's step at ``profile``'s sizes on fake tensors: its peak beside the formula's.
+    """Each run's step on fake tensors at ``profile``'s sizes: its peak, the formula's.
 
     Writes ``<run>-gpu-dry-run.json`` per run, in the results format, with
     ``fake_peak_bytes`` and ``predicted_peak_bytes`` (the formula with the

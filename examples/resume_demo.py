@@ -1,10 +1,13 @@
-"""A small training run that checkpoints, can be killed, and resumes exactly: the proof behind Chapter 5.
+"""A small run that checkpoints, can be killed, and resumes exactly: Chapter 5's proof.
 
 Run it three ways from the repository root and compare the final files:
 
-    python examples/resume_demo.py --folder run_a --out a.pt                             # uninterrupted
-    python examples/resume_demo.py --folder run_b --out b.pt --kill-after-checkpoint 2   # dies (SIGKILL)
-    python examples/resume_demo.py --folder run_b --out b.pt --resume                    # continues run_b
+    # uninterrupted
+    python examples/resume_demo.py --folder run_a --out a.pt
+    # dies (SIGKILL) after checkpoint 2
+    python examples/resume_demo.py --folder run_b --out b.pt --kill-after-checkpoint 2
+    # continues run_b
+    python examples/resume_demo.py --folder run_b --out b.pt --resume
 
 ``a.pt`` and ``b.pt`` then hold bit-identical weights and the same loss at
 every step. ``--kill-during-save k`` instead dies halfway through writing
@@ -61,12 +64,12 @@ WARMUP_STEPS = 4
 
 
 def kill_now() -> None:
-    """End this process the way a crash or an out-of-memory kill does: SIGKILL, no cleanup, no flush."""
+    """Die as a crash or an out-of-memory kill does: SIGKILL, no cleanup, no flush."""
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def die_halfway_through_saves() -> None:
-    """Make every later ``torch.save`` write half its bytes to the file, then SIGKILL the process.
+    """Make every later ``torch.save`` write half its bytes, then SIGKILL the process.
 
     This simulates a crash in the middle of writing a checkpoint (power loss,
     pre-emption). The half that is written is fsync'd, so it really is on disk.
@@ -88,7 +91,7 @@ def die_halfway_through_saves() -> None:
 
 
 def byte_shard(folder: Path) -> Path:
-    """Tiny Shakespeare as one shard of byte tokens in ``folder``, rewritten unless it reads back whole.
+    """Tiny Shakespeare as one byte-token shard in ``folder``, rewritten unless whole.
 
     A run killed inside ``write_shard`` leaves the old shard or none (one file,
     renamed into place): the shard is trusted only when ``read_header``
@@ -136,7 +139,7 @@ def demo_configs(
 
 @dataclass
 class Run:
-    """One training run's live objects, and the one count the ``Trainer`` does not keep: batches drawn."""
+    """A run's live objects, plus the count ``Trainer`` does not keep: batches drawn."""
 
     folder: Path  # checkpoints go here
     model_config: GPTConfig
@@ -150,7 +153,7 @@ class Run:
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def save(self) -> Path:
-        """Checkpoint the full state after the latest optimizer step (pending losses included)."""
+        """Checkpoint the full state (pending losses too) after the latest step."""
         return save_training_checkpoint(
             self.folder,
             self.trainer.state_dict(),
@@ -161,10 +164,11 @@ class Run:
         )
 
     def resume(self, path: Path, restore_rng: bool = True) -> TrainingCheckpoint:
-        """Restore everything ``save`` wrote, into this run's objects, before its first step."""
+        """Restore all that ``save`` wrote into this run, before its first step."""
         if self.batches is not None:
             raise RuntimeError(
-                f"{path}: resume before the first step, not after {self.batches_drawn} batches"
+                f"{path}: resume before the first step, "
+                f"not after {self.batches_drawn} batches"
             )
         resumed = load_training_checkpoint(
             path, self.trainer, model_config=self.model_config, restore_rng=restore_rng
@@ -174,7 +178,7 @@ class Run:
         return resumed
 
     def train_until(self, until_step: int) -> None:
-        """The script's training loop: steps until ``trainer.step == until_step``, saving every ``save_every``."""
+        """Train until ``trainer.step == until_step``, saving every ``save_every``."""
         if self.batches is None:
             self.batches = iter(self.stream)
         while self.trainer.step < until_step:
@@ -232,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         metavar="K",
-        help="SIGKILL this process once checkpoint K (at step K * save_every) is durable",
+        help="SIGKILL this process once checkpoint K (step K * save_every) is durable",
     )
     parser.add_argument(
         "--kill-during-save",

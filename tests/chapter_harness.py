@@ -48,7 +48,8 @@ LIMIT_FACTOR = 2.0
 KERNEL_STARTUP_TIMEOUT_S = 60
 COMPILE_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 WARNING_MARKERS = ("Warning:", "UserWarning", "FutureWarning", "DeprecationWarning")
-# Code that starts worker processes: DataLoader workers (num_workers other than 0) or multiprocessing itself.
+# Code that starts worker processes: DataLoader workers (num_workers other than 0) or
+# multiprocessing itself.
 STARTS_WORKERS = re.compile(r"\bnum_workers\s*=\s*(?!0\b)|\bmultiprocessing\b")
 START_METHOD_CELL = (
     "import multiprocessing\n\nmultiprocessing.set_start_method({!r}, force=True)"
@@ -109,7 +110,7 @@ def pytest_collect_file(file_path: Path, parent):
 
 
 class SpawnRuns:
-    """A second collection hook: each chapter that starts workers, again, under the spawn start method."""
+    """A second collection hook: each chapter that starts workers, again under spawn."""
 
     @pytest.hookimpl(trylast=True)  # after the default run of the same chapter
     def pytest_collect_file(self, file_path: Path, parent):
@@ -149,7 +150,7 @@ class ProseCheck(pytest.Item):
 
 
 class ChapterFile(IPyNbFile):
-    """A .qmd chapter run as one notebook in one kernel (under ``start_method`` when it is set)."""
+    """A .qmd chapter as one notebook in one kernel (under ``start_method`` if set)."""
 
     start_method: str | None = None  # None: the platform's default
 

@@ -1,4 +1,4 @@
-"""Helpers the checkpoint and weights tests share: copy a model's tensors, compare two sets bit for bit."""
+"""Helpers for the checkpoint and weights tests: copy tensors, compare bit for bit."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from torch import nn
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A detached copy of every tensor in ``model.state_dict()``, to compare with later."""
+    """A detached copy of every tensor in ``model.state_dict()``, to compare later."""
     return {
         name: tensor.detach().clone() for name, tensor in model.state_dict().items()
     }

@@ -1,4 +1,4 @@
-"""Fast checks of the book's structure: chapters, cross-references, images, notebook links."""
+"""Fast checks of the book's structure: chapters, cross-references, images, links."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def labels_in(path: Path) -> set[str]:
 
 
 def prose_of(path: Path) -> str:
-    """The markdown of a chapter without inline code, so `@fig-x` in backticks is not a reference."""
+    """A chapter's markdown minus inline code: `@fig-x` in backticks is no reference."""
     _, cells = parse_qmd(path)
     return "\n".join(
         INLINE_CODE.sub("", cell.source) for cell in cells if cell.kind == "markdown"
@@ -157,7 +157,7 @@ def pages_that_may_cite() -> list[Path]:
 
 
 def citations_in(path: Path) -> set[str]:
-    """Citation keys in a page's prose: code cells, fenced examples and inline code do not count."""
+    """Citation keys in prose, not in code cells, fenced examples or inline code."""
     _, cells = parse_qmd(path)
     markdown = "\n".join(cell.source for cell in cells if cell.kind == "markdown")
     # fences first: ``` is not inline code

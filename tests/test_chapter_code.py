@@ -26,7 +26,7 @@ CHAPTERS = sorted((ROOT / "chapters").glob("*.qmd"))
 
 
 def shown_blocks(chapter: Path) -> list[tuple[str, str]]:
-    """(file path, block text) for every filename= block of ``chapter`` that is not an include."""
+    """(path, block text) for each filename= block of ``chapter``, includes excepted."""
     return [
         (match["path"], match["body"])
         for match in SHOWN_BLOCK.finditer(chapter.read_text(encoding="utf-8"))
@@ -35,7 +35,7 @@ def shown_blocks(chapter: Path) -> list[tuple[str, str]]:
 
 
 def is_verbatim_run(block: str, source: str) -> bool:
-    """True when ``block`` equals some run of consecutive ``source`` lines, both dedented."""
+    """True if ``block`` equals a run of consecutive ``source`` lines, both dedented."""
     wanted = textwrap.dedent(block).rstrip("\n").splitlines()
     lines = source.splitlines()
     for start in range(len(lines) - len(wanted) + 1):

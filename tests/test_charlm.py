@@ -1,5 +1,8 @@
-"""charlm: every valid window can be drawn, each target is its input shifted by one, and the run's own loop
-validates each completed step once."""
+"""charlm: the windows it draws, its targets, and its loop's validation.
+
+Every valid window can be drawn, each target is its input shifted by one, and the
+run's own loop validates each completed step once.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ def test_random_blocks_draws_every_window_including_the_last():
         source, block_size, batch_size=64, generator=torch.Generator().manual_seed(0)
     )
     x, _ = next(batches)
-    # The chance that 64 uniform draws miss one of 3 starts is 3 * (2/3)**64, about 2e-11.
+    # The chance that 64 uniform draws miss one of 3 starts: 3 * (2/3)**64, about 2e-11.
     assert set(x[:, 0].tolist()) == {0, 1, 2}
 
 
@@ -45,7 +48,10 @@ def test_a_text_too_short_to_split_is_refused_with_its_path(tmp_path):
 
 
 def test_a_step_the_fp16_scaler_skips_is_not_validated_twice(tmp_path, monkeypatch):
-    """A skipped step leaves ``trainer.step`` where it was; the loop must validate each completed step once."""
+    """The loop validates each completed step once.
+
+    A step the fp16 scaler skips leaves ``trainer.step`` where it was.
+    """
     text = tmp_path / "text.txt"
     text.write_text("to be or not to be, that is the question\n" * 20, encoding="utf-8")
     sizes = dataclasses.replace(

@@ -1,4 +1,4 @@
-"""Tests for chat examples: prompt masking, padding with an attention mask, packing whole documents."""
+"""Chat examples: prompt masking, padding (attention mask), packing whole documents."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torchbook.models import GPT, GPTConfig
 
 
 def char_encode(text):
-    """A stand-in tokenizer: one id per character, so positions are easy to reason about."""
+    """A stand-in tokenizer: one id per character, so positions are easy to follow."""
     return [ord(c) for c in text]
 
 
@@ -82,7 +82,7 @@ def test_padding_masks_attention_and_labels_of_the_pad_positions():
 
 
 def documents(lengths, seed=0, vocab_size=50):
-    """Plain documents of the given lengths: every token is learned (labels = input_ids)."""
+    """Plain documents of given lengths: every token is learned (labels = input_ids)."""
     generator = torch.Generator().manual_seed(seed)
     ids = [
         torch.randint(0, vocab_size, (n,), generator=generator).tolist()
@@ -106,7 +106,8 @@ def test_pack_documents_keeps_each_example_whole_with_positions_from_0_and_next_
         at = (row[0], columns)
         assert packed["tokens"][at].tolist() == example["input_ids"]
         assert packed["position_ids"][at].tolist() == list(range(n))
-        # The target of a token is the next token's label; the last token's next token is another example's.
+        # The target of a token is the next token's label; the last token's next token
+        # is another example's.
         assert packed["targets"][at].tolist() == example["labels"][1:] + [IGNORE_INDEX]
 
 
@@ -143,7 +144,7 @@ def test_pack_documents_refuses_an_empty_example_naming_it(position):
 def per_document_losses(
     lengths=(7, 12, 5, 9, 3), row_length=16, mask=True, restart_positions=True
 ):
-    """Each document's mean loss packed (with or without the document mask) and alone, by a small GPT."""
+    """Each document's mean loss by a small GPT, packed (mask or not) and alone."""
     torch.manual_seed(0)
     model = GPT(
         GPTConfig(vocab_size=50, block_size=row_length, n_layer=2, n_head=2, d_model=32)
@@ -191,7 +192,8 @@ def test_with_rope_and_the_mask_positions_running_on_across_the_row_change_no_lo
 
 def test_without_the_document_mask_every_document_after_the_first_in_its_row_changes():
     packed, alone = per_document_losses(mask=False)
-    # First fit in rows of 16: 7, 5 and 3 share row 0; 12 opens row 1; 9 (4 left in each) opens row 2.
+    # First fit in rows of 16: 7, 5 and 3 share row 0; 12 opens row 1;
+    # 9 (4 left in each) opens row 2.
     starts_a_row = torch.tensor([True, True, False, True, False])
     gap = (packed - alone).abs()
     assert (gap[starts_a_row] < 1e-6).all(), gap  # nothing before them to see
@@ -200,7 +202,7 @@ def test_without_the_document_mask_every_document_after_the_first_in_its_row_cha
 
 
 def test_collate_output_trains_only_on_answers():
-    # cross_entropy with the -100 labels equals the loss averaged over answer tokens alone
+    # cross_entropy with the -100 labels equals the mean loss over answer tokens alone
     examples = [
         chat_example(MESSAGES[:2], char_encode),
         chat_example(MESSAGES[2:], char_encode),

@@ -1,4 +1,4 @@
-"""Exact resume (code/torchbook/checkpoint.py): weights files, training checkpoints, RNG, rotation, refusals."""
+"""code/torchbook/checkpoint.py: weights, checkpoints, RNG, rotation and refusals."""
 
 from __future__ import annotations
 
@@ -55,7 +55,10 @@ def token_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp16_trainer(seed: int, **overrides) -> Trainer:
-    """A tiny GPT (dropout on: draws from the global RNG) in fp16, so the scaler has a state too."""
+    """A tiny GPT in fp16, so the scaler has a state too.
+
+    Dropout is on: it draws from the global RNG.
+    """
     settings = dict(
         max_steps=20, lr=1e-2, warmup_steps=2, precision="fp16", log_every=3
     )
@@ -70,7 +73,7 @@ def trained(seed: int = 0, steps: int = 2, **overrides) -> Trainer:
     return trainer
 
 
-# ----------------------------------------------------------------- weights
+# ------------------------------------------------------------------------------ weights
 
 
 def test_weights_round_trip_gives_identical_tensors(tmp_path):
@@ -204,7 +207,7 @@ def test_safetensors_file_is_refused_by_the_torch_loader(tmp_path):
 
 
 class WritesMarkerWhenUnpickled:
-    """Unpickling this calls Path.touch(marker): harmless, but it is code running from a file."""
+    """Unpickling this calls Path.touch(marker): harmless, but code run from a file."""
 
     def __init__(self, marker: Path) -> None:
         self.marker = marker
@@ -230,7 +233,7 @@ def test_crafted_pickle_is_refused_and_never_runs(tmp_path):
     assert marker.exists()
 
 
-# ----------------------------------------------------------------- errors on types and bytes, not on torch's wording
+# ------------------------------------ errors on types and bytes, not on torch's wording
 
 
 def test_a_weights_only_refusal_is_recognised_by_its_type_whatever_its_wording(
@@ -272,7 +275,7 @@ def test_mmap_load_gives_the_same_tensors(tmp_path):
 
 
 def test_an_mmap_load_skips_the_crc_pass_unless_asked(tmp_path, monkeypatch):
-    """Checking every CRC reads the whole file, which a memory-mapped load exists to avoid."""
+    """Checking every CRC reads the whole file, which an mmap load exists to avoid."""
     path = ckpt.save_weights(fresh_gpt(0), tmp_path / "gpt.pt")
     checked = []
     testzip = zipfile.ZipFile.testzip
@@ -376,7 +379,10 @@ def test_rng_state_round_trip_repeats_every_generator():
 
 
 def test_resume_continues_exactly_like_the_original_trainer(tmp_path):
-    """Weights, optimizer moments, schedule, scaler, pending losses and RNG: the next steps match bit for bit."""
+    """Weights, optimizer moments, schedule, scaler, pending losses and RNG all resume.
+
+    The next steps match bit for bit.
+    """
     trainer = trained(steps=4)
     path, saved_step = (
         save_checkpoint(tmp_path, trainer.state_dict()),
@@ -443,7 +449,7 @@ def test_optimizer_of_another_shape_is_refused_before_the_model_changes(tmp_path
     assert_same_tensors(snapshot(model), before)
 
 
-# ----------------------------------------------------------------- parse, then apply: a refusal changes nothing
+# ----------------------------------------- parse, then apply: a refusal changes nothing
 
 
 def damaged(path: Path, damage) -> Path:
@@ -457,8 +463,9 @@ def switched_off_scaler(state: dict) -> None:
     state["trainer"]["scaler"] = {}
 
 
-# One row per refusal class of the trust model (torchbook/checkpoint.py's docstring) that a file
-# with valid CRCs can still hit; truncation, bit rot and code-running pickles are tested above.
+# One row per refusal class of the trust model (torchbook/checkpoint.py's docstring)
+# that a file with valid CRCs can still hit; truncation, bit rot and code-running
+# pickles are tested above.
 DAMAGES = {
     "format-version": (
         lambda s: s.update(format_version=2),
@@ -527,7 +534,7 @@ DAMAGES = {
 
 
 def trainer_and_globals(target: Trainer) -> tuple:
-    """Copies of everything a load could change: the trainer's state and the global generators."""
+    """Copies of all a load could change: the trainer's state, the global generators."""
     return (
         snapshot(target.model),
         copy.deepcopy(target.optimizer.state_dict()),
@@ -626,7 +633,7 @@ def test_a_broken_or_crafted_training_checkpoint_changes_nothing(
 def test_a_cpu_run_saves_no_cuda_state_and_resumes_whatever_the_gpus(
     tmp_path, monkeypatch
 ):
-    """A CPU run on a CUDA machine must not tie its checkpoint to that machine's GPUs."""
+    """A CPU run on a CUDA machine must not tie its checkpoint to the GPUs there."""
     state = trained().state_dict()
     target = trained(seed=1)
     # This machine, as the checkpoint code sees it: two GPUs, then one.
@@ -686,7 +693,7 @@ def test_a_bad_rng_state_is_found_by_checking_before_any_generator_changes():
     assert random.getstate() == expected
 
 
-# ----------------------------------------------------------------- rotation
+# ----------------------------------------------------------------------------- rotation
 
 
 def test_keep_last_deletes_only_older_checkpoints(tmp_path):
@@ -700,7 +707,7 @@ def test_keep_last_deletes_only_older_checkpoints(tmp_path):
 
 
 def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
-    """A leftover of a higher step (an earlier run) must not outrank the checkpoint saved now."""
+    """An earlier run's leftover at a higher step must not outrank the one saved now."""
     later = trained(steps=4)
     leftover = save_checkpoint(tmp_path, later.state_dict())
     earlier = trained(steps=2)
@@ -749,7 +756,7 @@ def test_a_successful_save_removes_leftover_temporaries(tmp_path):
     assert not leftover.exists()
 
 
-# ----------------------------------------------------------------- a full disk names the file
+# ----------------------------------------------------------- a full disk names the file
 
 
 def full_disk(kind: str):
@@ -807,7 +814,8 @@ def test_a_long_list_of_missing_keys_is_cut_short_with_its_count(tmp_path):
 
 
 def test_an_optimizer_flag_saved_as_none_loads_where_the_live_one_is_a_bool(tmp_path):
-    # torch's fused/foreach flags are None, True or False: a CPU checkpoint (None) resumes where they are set
+    # torch's fused/foreach flags are None, True or False: a CPU checkpoint (None)
+    # resumes where they are set
     source = trained(steps=2)
     state = source.state_dict()
     for group in state["optimizer"]["param_groups"]:

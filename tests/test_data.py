@@ -171,7 +171,7 @@ def test_ids_rewritten_wider_behind_the_header_are_caught_by_the_file_size(tmp_p
 
 
 def header_with(path, **changes):
-    """Rewrite the header of ``path`` in place with some fields changed (the ids stay where they are)."""
+    """Rewrite ``path``'s header in place with some fields changed; the ids stay put."""
     raw = path.read_bytes()
     header = json.dumps({**json.loads(raw[:HEADER_BYTES]), **changes}).encode()
     path.write_bytes(header.ljust(HEADER_BYTES) + raw[HEADER_BYTES:])
@@ -436,7 +436,7 @@ def slow_tokens() -> np.ndarray:
 
 
 def ask_for_the_cache_and_read_it(folder: str, barrier, results) -> None:
-    """One process: in each round, ask for the round's cache at the same moment as the other, then read it."""
+    """One process: ask for each round's cache when the other does, then read it."""
     for round_number in range(ROUNDS):
         barrier.wait()
         try:
@@ -547,7 +547,7 @@ except ShardError as error:
 def test_a_stream_whose_shard_was_rewritten_shorter_is_refused_not_read_past_its_end(
     tmp_path,
 ):
-    # In a subprocess: reading past the end of a mapping kills the process (SIGBUS), not just a test.
+    # In a subprocess: reading past a mapping's end kills the whole process (SIGBUS).
     done = subprocess.run(
         [sys.executable, "-c", STALE_STREAM, str(tmp_path / "s.bin")],
         capture_output=True,
@@ -750,12 +750,12 @@ def test_stream_pickles_paths_not_mapped_data(tmp_path):
     stream = TokenStream(paths, StreamConfig(block_size=16, batch_size=4))
     next(iter(stream))  # maps the shard in this process
     clone = pickle.loads(pickle.dumps(stream))
-    # 50,000 uint16 ids would be 100,000 bytes; the block table alone is about 3,100 x 12 bytes
+    # 50,000 uint16 ids are 100,000 bytes; the block table is about 3,100 x 12 bytes
     assert len(pickle.dumps(stream)) < 100_000
     assert torch.equal(next(iter(clone))[0], next(iter(stream))[0])
 
 
-# ----------------------------------------------------------------- arguments and indexes of the wrong type
+# ----------------------------------------------------------------- wrongly typed inputs
 
 
 @pytest.mark.parametrize(
@@ -769,7 +769,7 @@ def test_stream_pickles_paths_not_mapped_data(tmp_path):
 def test_write_shard_refuses_arguments_of_the_wrong_type_naming_the_file(
     tmp_path, vocab_size, tokenizer, message
 ):
-    # a non-string tokenizer used to be written, then refused by every reader of the header
+    # a non-string tokenizer used to be written, then refused by every header reader
     with pytest.raises(
         ShardError, match=rf"s\.bin: expected a \.bin path, .*{message}"
     ):

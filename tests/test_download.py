@@ -16,7 +16,7 @@ from torchbook.files import is_temporary
 
 @pytest.fixture
 def published_copy(tmp_path_factory) -> Path:
-    """A folder of the real published files: the canonical files, served gzipped like the MNIST mirror."""
+    """A folder of the real published files, served gzipped like the MNIST mirror."""
     # the data folder the suite runs with (BOOK_DATA_DIR or the cache)
     source = download.ensure("mnist")
     served = tmp_path_factory.mktemp("served")
@@ -47,7 +47,7 @@ def local_server(published_copy):
 
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch) -> Path:
-    """No BOOK_DATA_DIR, an empty BOOK_CACHE_DIR: the situation of a reader's first run."""
+    """No BOOK_DATA_DIR, an empty BOOK_CACHE_DIR: as on a reader's first run."""
     monkeypatch.delenv(download.DATA_VARIABLE, raising=False)
     monkeypatch.setenv(download.CACHE_VARIABLE, str(tmp_path / "cache"))
     return tmp_path / "cache"

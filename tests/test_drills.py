@@ -1,4 +1,4 @@
-"""The lab's exercise notebook as a reader meets it, and its checkers on right and wrong answers.
+"""The lab's exercise notebook as readers meet it; its checkers on good and bad answers.
 
 The notebook is executed here cell by cell in one namespace, as "Run All"
 would: once with every TODO cell empty (each check cell must say what is
@@ -32,8 +32,8 @@ from qmd_notebook import QmdError  # noqa: E402
 DRILLS = range(1, 8)
 
 # Correct answers, one per TODO cell. Drill 2 compiles with backend="eager": the checker
-# judges what torch.compile returns, whatever the backend, and inductor's cold compilation
-# would add half a minute to the suite (chapter 8 compiles with inductor).
+# judges what torch.compile returns, whatever the backend, and inductor's cold
+# compilation would add half a minute to the suite (chapter 8 compiles with inductor).
 ANSWERS = {
     1: """
 seed, batch_size = 0, 128
@@ -148,7 +148,7 @@ def todo_number(source: str) -> int | None:
 
 
 def run_notebook(folder: Path, answers: dict[int, str]) -> tuple[dict, dict[int, str]]:
-    """Execute the notebook's code cells in order in one namespace; returns it and each check cell's output."""
+    """Run the notebook's code cells in one namespace; return it and check outputs."""
     namespace: dict = {"work_folder": folder}
     outputs = {}
     for cell in exercise_notebook(ROOT / SOURCE)["cells"]:
@@ -165,7 +165,7 @@ def run_notebook(folder: Path, answers: dict[int, str]) -> tuple[dict, dict[int,
 
 
 def checked(number: int, namespace: dict, **changes) -> str:
-    """What drill ``number``'s check cell prints for ``namespace`` with ``changes`` applied."""
+    """What drill ``number``'s check cell prints for ``namespace`` plus ``changes``."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         check(number, {**namespace, **changes})
@@ -231,7 +231,7 @@ def test_command_writes_the_notebook_it_is_given(tmp_path):
 
 
 def test_the_chapter_links_the_file_the_pre_render_step_writes():
-    """Quarto resolves the chapter's link only if the file is in the source tree when it renders."""
+    """The link resolves only if the file is in the source tree when Quarto renders."""
     chapter = ROOT / "chapters" / "08-lab.qmd"
     target = (ROOT / DEFAULT_TARGET).relative_to(chapter.parent)
     text = chapter.read_text(encoding="utf-8")
@@ -319,7 +319,7 @@ def drill_4_answer(namespace: dict, seed: int = 0, **mistakes) -> dict:
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_correct_accumulation_passes_whatever_the_seed(unsolved, seed):
-    """Float32 rounding differs from seed to seed; the drill-4 rule must hold for each."""
+    """Float32 rounding differs by seed; the drill-4 rule must hold for each."""
     namespace, _ = unsolved
     message = check_drill_4(**drill_4_answer(namespace, seed))
     assert message.startswith("drill 4 passed"), message
@@ -414,7 +414,7 @@ def test_drill_4_names_a_missing_zero_grad(unsolved):
 
 
 def test_drill_4_names_state_dicts_that_are_the_same_tensors(unsolved):
-    """The answer saves model.state_dict() uncopied, reloads and retrains the same model."""
+    """The answer saves model.state_dict() uncopied, reloads and retrains one model."""
     namespace, _ = unsolved
     answer = drill_4_answer(namespace)
     model = namespace["make_mlp"](0)

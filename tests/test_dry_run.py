@@ -1,4 +1,4 @@
-"""The GPU dry run: full-size steps on fake tensors, and their peak beside the formula."""
+"""The GPU dry run: full-size steps on fake tensors, their peak beside the formula."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one atomic writer (code/torchbook/files.py): old file or new file, never half of one."""
+"""The one atomic writer (torchbook/files.py): old file or new, never half of one."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_a_full_disk_names_the_file_keeps_the_errno_and_the_old_file(
     monkeypatch.setattr(os, "fsync", no_space)
     with pytest.raises(OSError) as raised:
         atomic_write_text(path, "new")
-    # every writer (shards, results, tokenizers, safetensors indexes) gets the name from here
+    # shards, results, tokenizers and safetensors indexes all get the name from here
     assert str(path) in str(raised.value) and raised.value.errno == errno.ENOSPC
     assert path.read_bytes() == b"old and whole"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.bin"]
@@ -121,7 +121,7 @@ def test_an_error_that_is_not_the_systems_propagates_unchanged(tmp_path):
 
 
 def test_the_written_file_gets_the_mode_a_plain_open_would_give(tmp_path):
-    # mkstemp's 0600 must not leak into the final file: the umask decides, as for open().
+    # mkstemp's 0600 must not reach the final file: the umask decides, as for open().
     old_umask = os.umask(0o022)
     try:
         atomic_write_bytes(tmp_path / "shared.bin", b"data")

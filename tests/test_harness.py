@@ -1,4 +1,4 @@
-"""The chapter harness must be able to fail: broken chapters are run in a separate pytest."""
+"""The chapter harness must be able to fail: broken chapters run in another pytest."""
 
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def test_malformed_option_fails_collection_naming_chapter_and_line(tmp_path):
 
 @pytest.mark.slow
 def test_prose_only_page_is_collected_as_a_parse_check(tmp_path):
-    # The References page has no code; naming it in testpaths must not be a "not found" error.
+    # The References page has no code; naming it in testpaths must not be "not found".
     result = run_chapter(
         tmp_path,
         """
@@ -174,7 +174,8 @@ def test_prose_only_page_is_collected_as_a_parse_check(tmp_path):
 
 @pytest.mark.slow
 def test_a_chapter_that_starts_workers_runs_a_second_time_under_spawn(tmp_path):
-    # The default start method on Linux is fork; the second run's first cell sets spawn, so this assert fails there.
+    # The default start method on Linux is fork; the second run's first cell sets spawn,
+    # so this assert fails there.
     result = run_chapter(
         tmp_path,
         """
@@ -197,7 +198,8 @@ def test_a_chapter_that_starts_workers_runs_a_second_time_under_spawn(tmp_path):
 
 @pytest.mark.slow
 def test_a_notebook_class_sent_to_dataloader_workers_fails_only_under_spawn(tmp_path):
-    # What readers on macOS and Windows meet: fork copies the class into the worker, spawn must import it.
+    # What readers on macOS and Windows meet: fork copies the class into the worker,
+    # spawn must import it.
     result = run_chapter(
         tmp_path,
         """

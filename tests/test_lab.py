@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_mlp_is_784_256_128_10():
     model = lab.MnistMLP((256, 128))
-    # 784*256 + 256 + 256*128 + 128 + 128*10 + 10, written out independently of the class
+    # 784*256 + 256 + 256*128 + 128 + 128*10 + 10, written out apart from the class
     assert sum(p.numel() for p in model.parameters()) == 235_146
     assert model(torch.zeros(5, 1, 28, 28)).shape == (5, 10)
 
@@ -75,7 +75,7 @@ def test_accumulated_step_equals_one_big_batch_step():
         generator=torch.Generator().manual_seed(3),
         accum_steps=4,
     )
-    # The same step by hand: the mean loss over the whole batch, one gradient, p -= lr * grad.
+    # The same step by hand: the mean loss over the batch, one gradient, p -= lr * grad.
     order = torch.randperm(128, generator=torch.Generator().manual_seed(3))
     loss = F.cross_entropy(reference(images[order]), labels[order])
     loss.backward()
@@ -119,7 +119,7 @@ def test_sgd_follows_the_same_cosine_as_adamw():
             rates[name].append(optimizer.param_groups[0]["lr"])
             optimizer.step()
             scheduler.step()
-    # min_lr is 0: a half cosine from the peak to 0, halfway at step 5, for both optimizers
+    # min_lr 0: for both optimizers a half cosine from the peak to 0, halfway at step 5
     assert rates["adamw"][0] == pytest.approx(sizes.lr) and rates["sgd"][
         0
     ] == pytest.approx(sizes.sgd_lr)
@@ -150,7 +150,7 @@ def test_results_series_splits_a_history_into_steps_and_epochs():
 
 @pytest.fixture(scope="module")
 def small_lab():
-    """The cpu profile with the lab cut to one epoch of 4 steps over a slice of MNIST."""
+    """The cpu profile with the lab cut to one epoch of 4 steps over part of MNIST."""
     profile = make_profile("cpu")
     data = lab.load_data(profile.device)
     data = lab.MnistTensors(

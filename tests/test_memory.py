@@ -1,4 +1,4 @@
-"""The memory and FLOPs model of torchbook.memory against measurements that do not use it."""
+"""The memory and FLOPs model of torchbook.memory against independent measurements."""
 
 from __future__ import annotations
 
@@ -91,7 +91,8 @@ def test_saved_activations_match_the_hook_count_exactly(
         checkpointing=checkpointing,
         loss_chunks=loss_chunks,
     )
-    # Exact: the formula names every saved tensor of this model; a missed one is a wrong formula.
+    # Exact: the formula names every saved tensor of this model; a missed one is a
+    # wrong formula.
     assert predict_memory(config, shape).activations == measured_activations(
         config, shape
     )
@@ -182,7 +183,7 @@ def test_predicted_peak_is_within_ten_percent_of_the_allocators(
     states = state_bytes(model, optimizer)
     peak = peak_bytes(step, torch.device("cpu"))
     measured = states["parameters"] + states["optimizer_states"] + peak
-    # 10%: the model follows the large tensors; the allocator also sees small temporaries.
+    # 10%: the model follows large tensors; the allocator also sees small temporaries.
     assert abs(predict_peak(config, shape) - measured) / measured < 0.10
 
 
@@ -308,7 +309,7 @@ def test_the_kv_cache_allocates_the_predicted_bytes():
     with torch.inference_mode():
         forward = peak_bytes(lambda: model(prompt), "cpu")
         generate = peak_bytes(lambda: model.generate(prompt, 1, use_cache=True), "cpu")
-    # the cache is allocated whole, for block_size positions, before the prompt's forward
+    # the cache is allocated whole (block_size positions) before the prompt's forward
     assert generate - forward == kv_cache_bytes(CONFIG, 2, CONFIG.block_size, 4)
 
 

@@ -1,4 +1,4 @@
-"""Tests for the MNIST helpers: raw files only, refused with their name when wrong, and the transforms."""
+"""Tests of the MNIST helpers: raw files only, bad ones refused by name; transforms."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Tests for torchbook.models: shapes, causality, tied weights, buffers, attention, packing,
-activation checkpointing, generation."""
+"""Tests for torchbook.models: shapes, causality, attention, packing, generation.
+
+Also tied weights, buffers and activation checkpointing.
+"""
 
 from __future__ import annotations
 
@@ -111,7 +113,7 @@ def test_changing_later_tokens_leaves_earlier_logits_unchanged():
     changed = idx.clone()
     changed[:, t + 1 :] = (changed[:, t + 1 :] + 1) % CONFIG.vocab_size
     full, full_changed = model(idx), model(changed)
-    # Independent check: the model fed only the prefix 0..t must agree at every position <= t.
+    # Independent check: fed only the prefix 0..t, the model agrees at positions <= t.
     prefix_only = model(idx[:, : t + 1])
     torch.testing.assert_close(full[:, : t + 1], prefix_only, atol=FLOAT32_ATOL, rtol=0)
     torch.testing.assert_close(
@@ -171,7 +173,8 @@ def test_apply_rope_rotates_each_feature_pair_by_position_times_its_frequency():
                 a * math.sin(angle) + b * math.cos(angle),
             )
             got = (rotated[0, 0, t, i].item(), rotated[0, 0, t, i + half].item())
-            # 1e-5: float32 angles up to 11 rad are off by ~1e-6 (one ulp of 11) from float64 by hand.
+            # 1e-5: float32 angles up to 11 rad are off by ~1e-6 (one ulp of 11) from
+            # float64 by hand.
             assert got == pytest.approx(expected, abs=1e-5)
 
 
@@ -185,7 +188,8 @@ def test_rope_scores_depend_only_on_the_distance_between_positions():
     k = apply_rope(k_vector.expand(1, 1, block_size, head_size), cos, sin)[0, 0]
     distance = 3
     scores = [q[m + distance] @ k[m] for m in range(block_size - distance)]
-    # 1e-4: float32 angles up to 39 rad are off by ~4e-6; a score sums head_size products of order 1.
+    # 1e-4: float32 angles up to 39 rad are off by ~4e-6; a score sums head_size
+    # products of order 1.
     torch.testing.assert_close(
         torch.stack(scores), scores[0].expand(len(scores)), atol=1e-4, rtol=0
     )
@@ -195,7 +199,8 @@ def test_rope_scores_depend_only_on_the_distance_between_positions():
 
 def test_one_document_per_row_through_the_mask_buffer_equals_is_causal():
     # document_ids all 0: the boolean mask is the causal_mask buffer itself, so this
-    # runs SDPA with an explicit mask against SDPA's is_causal=True, through the whole model.
+    # runs SDPA with an explicit mask against SDPA's is_causal=True, through the
+    # whole model.
     model = make_model()
     idx = random_tokens(2, 12)
     one_document = torch.zeros_like(idx)
@@ -220,7 +225,7 @@ def test_document_causal_mask_lets_a_query_see_earlier_keys_of_its_own_document_
 def packed_pair(
     lengths: tuple[int, ...] = (5, 7, 4),
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Documents of the given lengths, and one row packing them with position and document ids."""
+    """Documents of ``lengths``, and one packed row with position and document ids."""
     documents = [random_tokens(1, n, seed=10 + i) for i, n in enumerate(lengths)]
     idx = torch.cat(documents, dim=1)
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -247,7 +252,7 @@ def test_without_the_document_mask_later_documents_see_earlier_ones():
     documents, idx, position_ids, _ = packed_pair()
     unmasked = model(idx, position_ids=position_ids)
     first = documents[0].size(1)
-    # The first document has nothing before it; the second attends to the first and changes.
+    # The first document has nothing before it; the second sees the first and changes.
     torch.testing.assert_close(
         unmasked[:, :first], model(documents[0]), atol=FLOAT32_ATOL, rtol=0
     )
@@ -267,8 +272,9 @@ def test_position_ids_pick_each_tokens_rope_angles():
         model(idx, position_ids=shifted), model(idx), atol=1e-5, rtol=0
     )
     reversed_positions = torch.arange(5, -1, -1)[None]
-    # At initialisation attention moves the logits only slightly (weights of std 0.02), so
-    # the change is about 4e-4: small, but 400 times the rounding bound above would allow.
+    # At initialisation attention moves the logits only slightly (weights of std
+    # 0.02), so the change is about 4e-4: small, but 400 times the rounding bound
+    # above would allow.
     assert (
         model(idx, position_ids=reversed_positions) - model(idx)
     ).abs().max() > 100 * FLOAT32_ATOL
@@ -320,7 +326,8 @@ def test_activation_checkpointing_saves_fewer_activations():
     checkpointed = saved_activation_bytes(
         checkpointed_model, lambda: checkpointed_model(idx).float().square().mean()
     )
-    # Each block keeps only its input (B, T, d_model) instead of a dozen tensors of that size or more.
+    # Each block keeps only its input (B, T, d_model) instead of a dozen tensors of
+    # that size or more.
     assert checkpointed < plain / 2, (checkpointed, plain)
 
 
@@ -497,8 +504,9 @@ def test_check_token_ids_accepts_the_full_range_and_an_empty_batch():
         )
 
 
-# Chapter 2 shows pieces of models.py as ```{.python filename="code/torchbook/models.py"}```
-# blocks (Quarto cannot include a line range); they must stay the module's own text.
+# Chapter 2 shows pieces of models.py as
+# ```{.python filename="code/torchbook/models.py"}``` blocks (Quarto cannot include a
+# line range); they must stay the module's own text.
 MODELS_PATH = Path(__file__).resolve().parents[1] / "code" / "torchbook" / "models.py"
 CHAPTER_2 = Path(__file__).resolve().parents[1] / "chapters" / "02-modules.qmd"
 SHOWN_BLOCK = re.compile(

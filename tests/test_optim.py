@@ -1,4 +1,4 @@
-"""The book's optimizer and schedule, and the layout check of a saved optimizer state before it is loaded."""
+"""The book's optimizer, its schedule, and the layout check before a state is loaded."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from torchbook.optim import (
 def stepped(
     config: OptimizerConfig, steps: int = 3
 ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """A small model whose book optimizer has taken ``steps`` steps (so it has moments)."""
+    """A small model whose book optimizer took ``steps`` steps (so it has moments)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
     optimizer, scheduler = build_optimizer(model, config, torch.device("cpu"))
@@ -88,7 +88,7 @@ def test_amsgrad_switched_on_is_refused_though_torch_loads_it_and_then_fails():
     assert optimizer_layout_problems(saved, optimizer) == [
         "optimizer group 0: amsgrad=True in the state, False here"
     ]
-    # the independent check that the refusal matters: torch loads it, and the next step fails
+    # independent check that the refusal matters: torch loads it, the next step fails
     optimizer.load_state_dict(saved)
     model(torch.randn(5, 4)).square().mean().backward()
     with pytest.raises((RuntimeError, KeyError)):
@@ -102,8 +102,9 @@ def test_a_moment_of_another_shape_is_refused_though_torch_loads_it():
     assert optimizer_layout_problems(saved, optimizer) == [
         "optimizer state of parameter 0: 'exp_avg' has shape (3,), the parameter (8, 4)"
     ]
-    # torch loads it without a word. Not stepped here: the fused kernel then writes past the
-    # moment's 3 floats (seen once as glibc's "free(): invalid next size" as the process ended).
+    # torch loads it without a word. Not stepped here: the fused kernel then writes
+    # past the moment's 3 floats (seen once as glibc's "free(): invalid next size" as
+    # the process ended).
     optimizer.load_state_dict(saved)
     assert optimizer.state_dict()["state"][0]["exp_avg"].shape == (3,)
 
@@ -166,7 +167,7 @@ def test_set_learning_rate_writes_the_schedule_into_every_group():
     for step in (0, 1, 2, 6, 10, 12):
         rate = set_learning_rate(optimizer, step, config)
         assert [group["lr"] for group in optimizer.param_groups] == [rate, rate]
-    # independent landmarks: warmup 1/2 of lr, the peak, the middle of the cosine, min_lr after
+    # independent landmarks: warmup 1/2 of lr, the peak, mid-cosine, min_lr after
     assert set_learning_rate(optimizer, 0, config) == pytest.approx(0.5e-2)
     assert set_learning_rate(optimizer, 2, config) == pytest.approx(1e-2)
     assert set_learning_rate(optimizer, 6, config) == pytest.approx((1e-2 + 1e-3) / 2)

@@ -1,4 +1,7 @@
-"""The package's copy rule: a module imports from ``torchbook`` only its helpers and what its docstring declares, and copied so, it imports."""
+"""The package's copy rule: each module, copied with what it declares, imports.
+
+A module imports from ``torchbook`` only its helpers and what its docstring declares.
+"""
 
 from __future__ import annotations
 
@@ -61,7 +64,10 @@ def test_the_package_docstring_lists_every_module():
 
 
 def declared_closure(module: str) -> set[str]:
-    """``module``, the modules its docstring says it builds on, theirs in turn, and the helpers each imports."""
+    """``module``, the modules it builds on, transitively, and the helpers they import.
+
+    What a module builds on is what its docstring declares.
+    """
     needed, todo = set(), [module]
     while todo:
         name = todo.pop()
@@ -97,7 +103,7 @@ print(json.dumps(errors))
 
 @pytest.fixture(scope="module")
 def copy_errors(tmp_path_factory) -> dict[str, str]:
-    """Each module copied with its declared closure into a project of its own, imported there.
+    """Each module copied with its declared closure to a project of its own, imported.
 
     Every project is a fresh folder holding a ``torchbook`` package of copies
     only. One interpreter imports them in turn (torch is imported once), putting

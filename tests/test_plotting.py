@@ -1,4 +1,7 @@
-"""Tests of the loss curves (plotting.py) and the pictures drawn from live objects (diagrams.py), read back from the matplotlib objects they draw."""
+"""Tests of the loss curves and of the pictures drawn from live objects.
+
+Both (plotting.py, diagrams.py) are read back from the matplotlib objects they draw.
+"""
 
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ def test_reference_line_is_drawn_at_its_value_and_labelled(close_figures):
     horizontal = [line for line in ax.get_lines() if set(line.get_ydata()) == {3.3}]
     assert len(horizontal) == 1 and horizontal[0].get_linestyle() == "--"
     assert "unigram baseline" in [text.get_text() for text in ax.texts]
-    # The legend lists curves only, not the baseline (it is labelled on the plot itself).
+    # The legend lists curves only, not the baseline (labelled on the plot itself).
     assert [text.get_text() for text in ax.get_legend().get_texts()] == [
         "train",
         "validation",
@@ -175,7 +178,7 @@ def test_storage_positions_match_where_torch_reads_each_element():
 
 
 def strip_values(ax, rows: int) -> list[str]:
-    """The storage strip's labels, left to right (the strip is drawn at y = -rows - 0.1)."""
+    """The storage strip's labels, left to right (drawn at y = -rows - 0.1)."""
     strip = [
         text
         for text in ax.texts

@@ -1,4 +1,4 @@
-"""The one place that picks the device and sizes from QUARTO_PROFILE, and the device helpers."""
+"""The one place that picks device and sizes from QUARTO_PROFILE; the device helpers."""
 
 from __future__ import annotations
 

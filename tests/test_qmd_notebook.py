@@ -294,7 +294,7 @@ def test_setup_cell_without_the_package_says_how_to_install_it(tmp_path):
 def test_downloaded_chapter_runs_outside_the_repository_in_a_fresh_kernel(
     tmp_path, monkeypatch
 ):
-    """Chapter 1 (the fastest) as a reader runs it: the downloaded .ipynb, in a folder of its own."""
+    """Chapter 1 (the fastest) as a reader runs it: the .ipynb, in a folder alone."""
     # the kernel inherits it
     monkeypatch.setenv("BOOK_CACHE_DIR", str(tmp_path / "cache"))
     nbclient = pytest.importorskip("nbclient")

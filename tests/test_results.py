@@ -1,4 +1,4 @@
-"""Results files of full-size runs: format, refusal of bad files, staleness, and the command that writes them."""
+"""Results files of full-size runs: format, bad files refused, staleness, the writer."""
 
 from __future__ import annotations
 
@@ -299,7 +299,7 @@ def test_writing_a_metric_that_is_not_a_number_names_the_file(
 
 
 def replace_text(path: Path, old: str, new: str) -> Path:
-    """Edit the file's text directly: json.dumps could not write some of these documents."""
+    """Edit the file's text: json.dumps could not write some of these documents."""
     text = path.read_text()
     assert old in text
     path.write_text(text.replace(old, new, 1))
@@ -340,7 +340,7 @@ def replace_text(path: Path, old: str, new: str) -> Path:
 def test_a_number_too_large_or_nesting_too_deep_is_refused_naming_the_file(
     tmp_path, sources, old, new, expected
 ):
-    # Each used to escape as OverflowError, ValueError or RecursionError, naming no file.
+    # Each once escaped as OverflowError, ValueError or RecursionError, naming no file.
     path = replace_text(write_example(tmp_path, sources), old, new)
     with pytest.raises(ResultsError, match=expected) as caught:
         read_result(path)

@@ -1,4 +1,4 @@
-"""Exact resume, proven with real processes: SIGKILL after a checkpoint, and SIGKILL in the middle of a save.
+"""Exact resume, proven in real processes: SIGKILL after a checkpoint or mid-save.
 
 The first tests run ``python examples/resume_demo.py`` (a byte-level GPT trained
 on Tiny Shakespeare with dropout, AdamW, a warmup-cosine schedule, one thread,
@@ -125,7 +125,7 @@ def test_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_run(tmp_p
 
 @pytest.mark.slow
 def test_resuming_without_the_rng_state_is_not_exact(tmp_path):
-    """The control for the test above: dropout draws from the RNG, so skipping its state changes the run."""
+    """Control for the test above: dropout draws from the RNG, so its state matters."""
     uninterrupted = demo(tmp_path / "a", tmp_path / "a.pt")
     killed = demo(
         tmp_path / "b", tmp_path / "b.pt", "--kill-after-checkpoint", str(KILL_AFTER)
@@ -161,7 +161,7 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     )
 
 
-# ----------------------------------------------------------------- in one process: what Run.save must carry
+# --------------------------------------------- in one process: what Run.save must carry
 
 IN_PROCESS_STEPS = 10
 # not a multiple of LOG_EVERY: the checkpoint falls between two log rows
@@ -173,7 +173,7 @@ OVERFLOWING_SCALE = 2.0**20
 
 @pytest.fixture
 def one_thread():
-    """One intra-op thread, so every float sum is added in the same order in both runs."""
+    """One intra-op thread, so each float sum is added in one order in both runs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -181,7 +181,7 @@ def one_thread():
 
 
 def fp16_run(folder: Path, shard: Path) -> Run:
-    """A tiny fp16 run whose first steps the GradScaler skips, logging every LOG_EVERY steps."""
+    """A tiny fp16 run whose first steps GradScaler skips, logging every LOG_EVERY."""
     model_config = GPTConfig(
         vocab_size=BYTE_VOCAB,
         block_size=16,
@@ -217,7 +217,7 @@ def fp16_run(folder: Path, shard: Path) -> Run:
 def test_resume_between_log_rows_after_skipped_steps_matches_an_uninterrupted_run(
     tmp_path, one_thread
 ):
-    """Pending losses, skipped steps and the batches those steps drew all survive a checkpoint."""
+    """Pending losses, skipped steps and the batches they drew survive a checkpoint."""
     shard = byte_shard(tmp_path)
     whole = fp16_run(tmp_path / "whole", shard)
     whole.train_until(IN_PROCESS_STEPS)

@@ -1,4 +1,4 @@
-"""Tests of the training loop (code/torchbook/train.py) against independent computations."""
+"""Tests of the training loop (torchbook/train.py) against independent computations."""
 
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ VOCAB, WIDTH, BLOCK = 11, 16, 6
 
 
 class TinyLM(nn.Module):
-    """(B, T) token ids -> (B, T, V) logits; embedding, LayerNorm, a biased hidden layer, a head."""
+    """(B, T) token ids -> (B, T, V) logits.
+
+    Embedding, LayerNorm, a biased hidden layer, a head.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -108,7 +111,7 @@ def test_accumulated_gradients_equal_one_big_batch(sizes, ignore_fraction):
 
 
 def test_naive_division_by_k_is_wrong_when_ignored_tokens_are_uneven():
-    """The check above has teeth: averaging the micro-batch means gives a different gradient."""
+    """The check above has teeth: a mean of micro-batch means gives another gradient."""
     x, y = token_batch(8, seed=2)
     y = y.clone()
     y[:3] = IGNORE_INDEX
@@ -133,13 +136,14 @@ def test_accumulated_step_updates_weights_like_one_big_batch():
     for (name, p), q in zip(
         big.named_parameters(), accumulated.parameters(), strict=True
     ):
-        # AdamW divides by sqrt(v): a 1e-7 relative change in a gradient moves the update by
-        # about as much, so the float32 tolerance above still holds for the weights.
+        # AdamW divides by sqrt(v): a 1e-7 relative change in a gradient moves the
+        # update by about as much, so the float32 tolerance above still holds for the
+        # weights.
         torch.testing.assert_close(q, p, rtol=RTOL, atol=1e-6, msg=name)
 
 
 def test_a_short_final_group_is_one_normalised_step():
-    """7 micro-batches with accum_steps=3: steps of 3, 3 and a final partial group of 1."""
+    """7 micro-batches, accum_steps=3: steps of 3, 3 and a final partial group of 1."""
     micro_batches = [token_batch(2, seed=20 + i) for i in range(7)]
     reference = make_model()
     reference_trainer = Trainer(reference, config(accum_steps=1), CPU)
@@ -301,7 +305,7 @@ class PoisonedLM(TinyLM):
 
 
 def test_a_loss_scale_that_reaches_zero_stops_instead_of_counting_steps():
-    """At scale 0 the scale cannot drop any more, so a skip no longer shows as a drop."""
+    """At scale 0 the scale cannot drop further, so a skip no longer shows as a drop."""
     trainer = Trainer(make_model(), config(precision="fp16"), CPU)
     # the smallest float32 scale: gradients underflow, and a skip halves it to 0
     trainer.scaler.load_state_dict({**trainer.scaler.state_dict(), "scale": 2.0**-149})
@@ -457,7 +461,7 @@ def test_evaluate_is_the_mean_over_target_tokens_and_restores_train_mode():
     assert model.training
 
 
-# ----------------------------------------------------------------- the step's result, the optimizer
+# -------------------------------------------------- the step's result, the optimizer
 
 
 def test_train_step_returns_the_loss_norm_tokens_and_whether_it_skipped():
@@ -521,8 +525,9 @@ def test_bf16_autocast_trains_on_cpu_with_a_float32_loss_close_to_fp32():
     bf16 = bf16_trainer.train_step([(x, y)])
     assert bf16.loss.dtype == torch.float32 and not bf16_trainer.scaler.is_enabled()
     assert bf16.skipped is False and bf16_trainer.step == 1
-    # bf16 keeps 8 significant bits (relative rounding 2**-8 ~ 0.4%) in the matmuls; the loss is
-    # float32 but computed from bf16 logits, so 2% covers several roundings adding up.
+    # bf16 keeps 8 significant bits (relative rounding 2**-8 ~ 0.4%) in the matmuls;
+    # the loss is float32 but computed from bf16 logits, so 2% covers several
+    # roundings adding up.
     assert bf16.loss.item() == pytest.approx(fp32.loss.item(), rel=2e-2)
     assert bf16.loss.item() != fp32.loss.item(), (
         "autocast did not run the forward in bf16"
@@ -532,7 +537,7 @@ def test_bf16_autocast_trains_on_cpu_with_a_float32_loss_close_to_fp32():
     )
 
 
-# ----------------------------------------------------------------- the trainer's state
+# -------------------------------------------------- the trainer's state
 
 
 def save_and_load(state: dict, tmp_path) -> dict:
@@ -683,7 +688,7 @@ def test_a_step_without_the_fp16_scaler_never_reads_the_scale(monkeypatch):
     assert trainer.step == 1
 
 
-# ----------------------------------------------------------------- two ranks (gloo, in subprocesses)
+# -------------------------------------------------- two ranks (gloo, in subprocesses)
 
 DDP_WORKER = r"""
 import os, sys, torch, torch.distributed as dist
@@ -728,7 +733,10 @@ def free_port() -> int:
 
 @pytest.mark.slow
 def test_two_ddp_ranks_with_uneven_tokens_take_the_one_process_step(tmp_path):
-    """Global token count, loss x world_size and no_sync together give the single-process gradient."""
+    """Two ranks with uneven tokens take the single-process step.
+
+    The global token count, loss x world_size and no_sync together give its gradient.
+    """
     import subprocess
     import sys
 
@@ -761,7 +769,7 @@ def test_two_ddp_ranks_with_uneven_tokens_take_the_one_process_step(tmp_path):
     )
     result = single.train_step([(x, y)])
     assert ranks["tokens"].item() == result.target_tokens.item() == 8 * 5 - 8
-    # float32 sums in another order (per rank, then across ranks): a few ulps; 1e-5 leaves margin
+    # float32 sums in another order (by rank, then across): a few ulps; 1e-5 has margin
     torch.testing.assert_close(ranks["loss"], result.loss, rtol=1e-5, atol=1e-7)
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(

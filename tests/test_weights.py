@@ -1,4 +1,4 @@
-"""Publishing weights (code/torchbook/weights.py): safetensors, tied weights, sharded index, the meta device."""
+"""code/torchbook/weights.py: safetensors, tied weights, sharded index, meta device."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def gpt_buffers(model: GPT) -> None:
     model.rope_cos, model.rope_sin = rope_tables(config.head_size, config.block_size)
 
 
-# ----------------------------------------------------------------- one file, tied weights
+# --------------------------------------------------------------- one file, tied weights
 
 
 def test_tied_weights_are_stored_once_and_recorded_as_save_model_does(tmp_path):
@@ -120,7 +120,7 @@ def test_architecture_mismatch_names_the_file_and_leaves_the_model_unchanged(tmp
 
 
 def legacy_file(path: Path, aliases: str) -> Path:
-    """A file as earlier versions of this module wrote it: aliases as JSON under one metadata key."""
+    """A file as this module's earlier versions wrote it: aliases as JSON in one key."""
     state = {
         k: v.contiguous() for k, v in fresh_gpt(0).state_dict().items() if k != TIED[0]
     }
@@ -157,7 +157,7 @@ def test_bad_alias_metadata_names_the_file_and_the_field(tmp_path, aliases, mess
         weights.read_safetensors(path)
 
 
-# ----------------------------------------------------------------- sharded
+# ------------------------------------------------------------------------------ sharded
 
 
 def test_sharded_index_maps_every_stored_tensor_within_the_size_limit(tmp_path):
@@ -260,7 +260,7 @@ def test_a_name_missing_from_the_index_is_named(tmp_path):
         weights.read_sharded_safetensors(tmp_path, names=["no.such"])
 
 
-# ----------------------------------------------------------------- the meta device
+# ---------------------------------------------------------------------- the meta device
 
 
 def test_load_on_meta_gives_the_same_model_without_initialising_it(tmp_path):

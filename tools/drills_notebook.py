@@ -1,10 +1,11 @@
-"""Write the lab's exercise notebook, ``pytorch_drills.ipynb``, from its own source, ``exercises/pytorch_drills.md``.
+"""Write the lab's exercise notebook ``pytorch_drills.ipynb`` from its Markdown source.
 
-The source is plain Markdown: each fenced ````python`` block becomes a code
-cell, the text between blocks a Markdown cell. The notebook opens with the
-same setup cells as every chapter's notebook (``tools/qmd_notebook.py``:
-install the book's package, say where the data goes). Each drill is a task,
-what to leave behind, a ``# TODO`` cell and a ``check(N, globals())`` cell.
+The source, ``exercises/pytorch_drills.md``, is plain Markdown: each fenced
+````python`` block becomes a code cell, the text between blocks a Markdown cell.
+The notebook opens with the same setup cells as every chapter's notebook
+(``tools/qmd_notebook.py``: install the book's package, say where the data goes).
+Each drill is a task, what to leave behind, a ``# TODO`` cell and a
+``check(N, globals())`` cell.
 
 The source is refused, naming the line, if it holds what a notebook cannot
 show or must not give away: Quarto syntax (inline ``{python}`` values,
@@ -48,7 +49,7 @@ FORBIDDEN = {
 
 
 def parse_cells(path: Path) -> list[tuple[str, str, int]]:
-    """(kind, source, first line) for each cell of the Markdown source; refuses forbidden text by line."""
+    """(kind, source, first line) per Markdown cell; refuses forbidden text by line."""
     lines = path.read_text(encoding="utf-8").splitlines()
     for number, text in enumerate(lines, 1):
         for pattern, what in FORBIDDEN.items():
@@ -75,7 +76,7 @@ def parse_cells(path: Path) -> list[tuple[str, str, int]]:
 
 
 def check_drills(cells: list[tuple[str, str, int]], path: Path) -> None:
-    """Every drill, in order, is a ``# TODO: drill N`` cell followed by its ``check(N, globals())`` cell."""
+    """Each drill in order: a ``# TODO: drill N`` cell, then ``check(N, globals())``."""
     code = [(source.strip(), line) for kind, source, line in cells if kind == "code"]
     found = []
     for (source, line), (following, _) in zip(code, code[1:] + [("", 0)], strict=False):

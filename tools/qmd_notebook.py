@@ -199,7 +199,7 @@ def parse_qmd(path: Path) -> tuple[dict, list[Cell]]:
 
 
 def _inline_value_cell(cell: Cell) -> str | None:
-    """Code that evaluates every inline `` `{python} expr` `` of a markdown cell, or None."""
+    """Code evaluating each inline `` `{python} expr` `` of a markdown cell, or None."""
     found = [
         (cell.line + offset, expr.strip())
         for offset, text in enumerate(cell.source.splitlines())
@@ -213,7 +213,7 @@ def _inline_value_cell(cell: Cell) -> str | None:
 
 
 def _setup_cells() -> list[dict]:
-    """The reader's opening cells: how to install the package, and where the data goes."""
+    """The reader's opening cells: how to install the package, where the data goes."""
     metadata = {"tags": [SETUP_TAG]}
     return [
         {"cell_type": "markdown", "metadata": dict(metadata), "source": SETUP_MARKDOWN},
@@ -228,7 +228,7 @@ def _setup_cells() -> list[dict]:
 
 
 def _not_run_cell(cell: Cell) -> dict:
-    """A markdown cell showing an ``eval: false`` cell's code as a fenced block that never runs."""
+    """A markdown cell with an ``eval: false`` cell's code, fenced, never run."""
     body = "\n".join(
         line for line in cell.source.splitlines() if not line.startswith("#|")
     )
@@ -246,7 +246,7 @@ INCLUDE = re.compile(r"^\{\{< include (\S+) >\}\}$", re.MULTILINE)
 
 
 def _project_root(path: Path) -> Path:
-    """The folder holding ``_quarto.yml`` above ``path`` (where ``/``-paths of includes start)."""
+    """The ``_quarto.yml`` folder above ``path``, where ``/`` include paths start."""
     for folder in path.resolve().parents:
         if (folder / "_quarto.yml").is_file():
             return folder
@@ -254,7 +254,7 @@ def _project_root(path: Path) -> Path:
 
 
 def _expand_includes(cell: Cell, path: Path) -> str:
-    """Markdown with each ``{{< include FILE >}}`` line replaced by the file, as Quarto renders it.
+    """Markdown with each ``{{< include FILE >}}`` replaced by the file, as Quarto does.
 
     A notebook front end knows no shortcodes; a reader would otherwise see the
     shortcode instead of the code it stands for. A missing file fails here, as
@@ -359,7 +359,7 @@ def write_notebook(path: Path, target: Path) -> Path:
 
 
 def write_book_notebooks(project: Path, output: Path) -> list[Path]:
-    """Write ``<output>/chapters/NN-name.ipynb`` for every chapter with code (the post-render step)."""
+    """Write ``<output>/chapters/NN-name.ipynb`` per chapter with code (post-render)."""
     written = []
     for chapter in sorted((project / "chapters").glob("*.qmd")):
         if any(cell.kind == "code" for cell in parse_qmd(chapter)[1]):

@@ -8,44 +8,48 @@ The few that build on another module say so below.
 Helpers:
 
 - ``device``: the precision dtypes, the accelerator, ``synchronize`` and ``timed``.
-- ``profiles``: the one place that picks the device and every run size (``QUARTO_PROFILE``).
+- ``profiles``: the one place that picks the device and every run size
+  (``QUARTO_PROFILE``).
 - ``files``: the one atomic writer (temporary, fsync, rename, fsync of the folder).
 
 Chapters 1-5:
 
 - ``download``: finds or downloads MNIST and Tiny Shakespeare, verified by SHA-256, and
   names the folder for derived files.
-- ``models``: the small GPT (pre-norm, RoPE, SDPA, tied head; packed rows with per-document
-  masks; optional activation checkpointing), the tutorial TinyMLP, parameter counting,
-  ``check_token_ids``.
+- ``models``: the small GPT (pre-norm, RoPE, SDPA, tied head; packed rows with
+  per-document masks; optional activation checkpointing), the tutorial TinyMLP,
+  parameter counting, ``check_token_ids``.
 - ``optim``: the book's AdamW (decay and no-decay groups, fused where it can be), the
-  warmup + cosine schedule, a changed config applied on resume, and the layout check of a
-  saved optimizer state (groups, sizes, ``amsgrad``, moment shapes) that torch would load
-  and then fail on.
-- ``train``: the training loop (autocast, fp32 loss, token-normalised accumulation, scaler,
-  clipping), ``StepResult``, the ``Trainer``'s ``state_dict``/``load_state_dict``, and the
-  gradient arithmetic of DDP and FSDP2 (builds on ``optim`` and ``state_dicts``).
+  warmup + cosine schedule, a changed config applied on resume, and the layout check of
+  a saved optimizer state (groups, sizes, ``amsgrad``, moment shapes) that torch would
+  load and then fail on.
+- ``train``: the training loop (autocast, fp32 loss, token-normalised accumulation,
+  scaler, clipping), ``StepResult``, the ``Trainer``'s
+  ``state_dict``/``load_state_dict``, and the gradient arithmetic of DDP and FSDP2
+  (builds on ``optim`` and ``state_dicts``).
 - ``charlm``: chapter 3's character-level language model on Tiny Shakespeare as one
   experiment (builds on ``models`` and ``train``).
 - ``plotting``: loss curves and training diagnostics from a history, memory per kind.
-- ``diagrams``: pictures drawn from live objects: a tensor's storage and strides, broadcasting,
-  a module tree with its parameters and buffers, one step under DDP or FSDP2.
+- ``diagrams``: pictures drawn from live objects: a tensor's storage and strides,
+  broadcasting, a module tree with its parameters and buffers, one step under DDP or
+  FSDP2.
 - ``shards``: token ids on disk as shards with a header, written atomically, checked
   before use, cached.
-- ``data``: the tutorial ``TokenDataset`` and a streaming ``IterableDataset`` over shards,
-  split across workers and ranks, resumable (builds on ``shards``).
+- ``data``: the tutorial ``TokenDataset`` and a streaming ``IterableDataset`` over
+  shards, split across workers and ranks, resumable (builds on ``shards``).
 - ``tokenizer``: a byte-level BPE tokenizer trained locally with ``tokenizers``.
-- ``chat``: chat records into training examples (template, prompt masking, padding, packing
-  with per-document masks) (builds on ``train`` for ``IGNORE_INDEX``).
+- ``chat``: chat records into training examples (template, prompt masking, padding,
+  packing with per-document masks) (builds on ``train`` for ``IGNORE_INDEX``).
 - ``hf``: the tokenizer and chat template as a ``transformers`` tokenizer (builds on
   ``tokenizer`` and ``chat``).
-- ``state_dicts``: a model's ``state_dict`` across ``torch.compile`` and DDP wrappers (the one
-  unwrap of a module and of its keys) and the key/shape/dtype check to run before
-  ``load_state_dict``.
-- ``checkpoint``: exact resume: weights and the full training state (``Trainer.state_dict``,
-  RNG including MPS, data position), atomic, ``weights_only``-safe, rotation by save sequence;
-  parsed whole before anything changes (``TrainingCheckpoint``), with its trust model in its
-  docstring (builds on ``state_dicts``).
+- ``state_dicts``: a model's ``state_dict`` across ``torch.compile`` and DDP wrappers
+  (the one unwrap of a module and of its keys) and the key/shape/dtype check to run
+  before ``load_state_dict``.
+- ``checkpoint``: exact resume: weights and the full training state
+  (``Trainer.state_dict``, RNG including MPS, data position), atomic,
+  ``weights_only``-safe, rotation by save sequence; parsed whole before anything changes
+  (``TrainingCheckpoint``), with its trust model in its docstring (builds on
+  ``state_dicts``).
 - ``weights``: publishing: safetensors (tied weights as ``save_model`` stores them), a
   sharded index, loading on the ``meta`` device (builds on ``state_dicts``).
 
@@ -63,10 +67,11 @@ Chapters 6-8 and the results of full-size runs:
   policy API (builds on ``models``).
 - ``gpu_fit``: whether the book's GPU runs fit, predicted at the gpu profile's sizes
   (builds on ``memory``, ``models`` and ``profiles``).
-- ``flops``: a GPT's training FLOPs per token from the formula and from ``FlopCounterMode``,
-  the device's measured matmul peak, tokens per second and MFU (builds on ``models`` and
-  ``memory``).
-- ``mnist``: MNIST read from its verified raw IDX files, as a dataset of PIL images and as resident tensors.
+- ``flops``: a GPT's training FLOPs per token from the formula and from
+  ``FlopCounterMode``, the device's measured matmul peak, tokens per second and MFU
+  (builds on ``models`` and ``memory``).
+- ``mnist``: MNIST read from its verified raw IDX files, as a dataset of PIL images and
+  as resident tensors.
 - ``lab``: what the lab's drills share: the MLP, its evaluation and MNIST as resident
   tensors, and the drills as runs for the GPU results (builds on ``mnist``, ``download``
   and ``optim``).

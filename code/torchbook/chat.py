@@ -1,4 +1,4 @@
-"""Turn chat records into fine-tuning examples: a chat template, prompt masking, padding or packing.
+"""Turn chat records into fine-tuning examples: template, masking, padding or packing.
 
 A chat record is ``{"messages": [{"role": "user", "content": ...},
 {"role": "assistant", "content": ...}, ...]}``, the layout of
@@ -20,7 +20,7 @@ Two ways to batch examples of different lengths:
   Concatenating examples and cutting fixed blocks wastes no position either,
   but without such a mask attention crosses from one conversation into the next.
 
-It builds on ``torchbook.train`` for ``IGNORE_INDEX``, the label the training loss skips.
+It builds on ``torchbook.train`` for ``IGNORE_INDEX``, the label the loss skips.
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ ROLES = ("user", "assistant")
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    """The strings around each turn. Each role opens with its marker; the assistant's turn ends with ``end``."""
+    """The strings around each turn.
+
+    Each role opens with its marker; the assistant's turn ends with ``end``.
+    """
 
     user: str = "<|user|>\n"
     assistant: str = "<|assistant|>\n"
@@ -66,7 +69,7 @@ def chat_example(
     encode: Callable[[str], list[int]],
     template: ChatTemplate = ChatTemplate(),
 ) -> dict[str, list[int]]:
-    """``input_ids`` of the templated conversation and ``labels`` that are -100 except on assistant answers.
+    """Templated ``input_ids`` and ``labels`` that are -100 except on assistant answers.
 
     Each piece is encoded on its own and the ids concatenated, so the boundary
     between prompt and answer is exact (encoding the joined string could merge
@@ -94,7 +97,10 @@ def chat_example(
 
 
 class PadCollate:
-    """Collate examples into padded tensors with an attention mask (a class, so DataLoader workers can pickle it)."""
+    """Collate examples into padded tensors with an attention mask.
+
+    A class, so DataLoader workers can pickle it.
+    """
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
@@ -120,7 +126,7 @@ class PadCollate:
 def pack_documents(
     examples: Sequence[dict], row_length: int, pad_id: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Place whole examples side by side in rows of ``row_length`` tokens (first fit, in order).
+    """Pack whole examples into rows of ``row_length`` tokens (first fit, in order).
 
     Returns (rows, row_length) tensors: ``tokens``; ``targets``, the label of the
     next token of the same example, so ``cross_entropy(logits, targets)`` needs

@@ -1,50 +1,53 @@
-"""Exact resume: weights and the full training state, saved atomically, parsed whole before anything changes.
+"""Exact resume: weights and training state, saved atomically, parsed whole before use.
 
-- **Weights** (``save_weights`` / ``load_weights``): a ``torch.save`` of the model's ``state_dict``.
-  To publish weights, see ``torchbook.weights`` (safetensors).
-- **Training checkpoints** (``save_training_checkpoint`` / ``load_training_checkpoint``): the
-  trainer's ``state_dict()`` (model, optimizer, scaler, step, skipped steps, history, steps not
-  yet logged, config), the random generators (Python, NumPy, torch's CPU generator and the
-  training device's, if it is an accelerator), the data position and the model config.
+- **Weights** (``save_weights`` / ``load_weights``): a ``torch.save`` of the model's
+  ``state_dict``. To publish weights, see ``torchbook.weights`` (safetensors).
+- **Training checkpoints** (``save_training_checkpoint`` /
+  ``load_training_checkpoint``): the trainer's ``state_dict()`` (model, optimizer,
+  scaler, step, skipped steps, history, steps not yet logged, config), the random
+  generators (Python, NumPy, torch's CPU generator and the training device's, if it is
+  an accelerator), the data position and the model config.
 
-**What a load refuses, and what it trusts.** A load reads the whole file into one typed value
-(``TrainingCheckpoint``, whose trainer part the trainer parses into its own) and applies it only
-when every part is fit, so applying cannot fail half-way. Before anything changes it refuses, with a
-``CheckpointError`` naming the file:
+**What a load refuses, and what it trusts.** A load reads the whole file into one typed
+value (``TrainingCheckpoint``, whose trainer part the trainer parses into its own) and
+applies it only when every part is fit, so applying cannot fail half-way. Before
+anything changes it refuses, with a ``CheckpointError`` naming the file:
 
 - a file of another kind (the format tag and version): its dict would be misread;
-- a truncated or bit-rotted file (the zip's end record, every member's CRC, unless ``verify=False``
-  or ``mmap=True``, where reading every byte first would defeat the mapping): ``torch.load`` alone
-  reads damaged tensor bytes without a word;
-- a pickle that would run code (``weights_only=True``): unpickling can call any function;
-- another architecture (every key, shape and dtype of the model): ``load_state_dict`` copies
-  every tensor that fits before it raises;
-- another optimizer layout (groups, parameters per group, ``amsgrad``, each moment's shape):
-  torch loads them, and the next step fails;
-- a missing or mistyped field of the envelope (step, history, RNG states, data position, configs),
-  or loss scaling switched on or off: applying it would stop half-way;
-- random states that do not restore here (each tried on a private generator; a device generator
-  of another kind than the trainer's device).
+- a truncated or bit-rotted file (the zip's end record, every member's CRC, unless
+  ``verify=False`` or ``mmap=True``, where reading every byte first would defeat the
+  mapping): ``torch.load`` alone reads damaged tensor bytes without a word;
+- a pickle that would run code (``weights_only=True``): unpickling can call anything;
+- another architecture (every key, shape and dtype of the model): ``load_state_dict``
+  copies every tensor that fits before it raises;
+- another optimizer layout (groups, parameters per group, ``amsgrad``, each moment's
+  shape): torch loads them, and the next step fails;
+- a missing or mistyped field of the envelope (step, history, RNG states, data position,
+  configs), or loss scaling switched on or off: applying it would stop half-way;
+- random states that do not restore here (each tried on a private generator; a device
+  generator of another kind than the trainer's device).
 
-It does not re-check the values inside a file that this code wrote and whose CRCs hold (a learning
-rate, the numbers of a moment): a file crafted to be valid in format but wrong in content is out of
-scope. Files from strangers are weights, and their format is safetensors. Every file written goes
-through ``torchbook.files.atomic_write`` (a crash leaves the previous file whole), and only if
-``weights_only`` can read it back. The module builds on ``torchbook.state_dicts`` (the model inside
-a compile or DDP wrapper, the key/shape/dtype check, and ``CheckpointError``, which the safetensors
-loaders of ``torchbook.weights`` raise too).
+It does not re-check the values inside a file that this code wrote and whose CRCs hold
+(a learning rate, the numbers of a moment): a file crafted to be valid in format but
+wrong in content is out of scope. Files from strangers are weights, and their format is
+safetensors. Every file written goes through ``torchbook.files.atomic_write`` (a crash
+leaves the previous file whole), and only if ``weights_only`` can read it back. The
+module builds on ``torchbook.state_dicts`` (the model inside a compile or DDP wrapper,
+the key/shape/dtype check, and ``CheckpointError``, which the safetensors loaders of
+``torchbook.weights`` raise too).
 
-**Rotation keeps the newest written.** A checkpoint's name carries a save sequence beside its step
-(``ckpt-000007-step-00000042.pt``); "latest" and "keep the last N" follow the sequence, never the
-step or the file's time, so a run restarted from an older step keeps its new checkpoint. One process
-writes to a folder at a time.
+**Rotation keeps the newest written.** A checkpoint's name carries a save sequence
+beside its step (``ckpt-000007-step-00000042.pt``); "latest" and "keep the last N"
+follow the sequence, never the step or the file's time, so a run restarted from an older
+step keeps its new checkpoint. One process writes to a folder at a time.
 
-**What else exact resume depends on.** A deterministic run (same operations in the same order:
-``torch.use_deterministic_algorithms(True)``, a fixed number of CPU threads, same device and
-versions). A ``DataLoader`` without a ``generator`` of its own draws a base seed from the *global*
-torch generator every time it is iterated, even without shuffling or workers: iterate it after
-``restore_rng_state`` (or give it its own ``generator``) and restore its position from the data
-state, as ``examples/resume_demo.py`` does with its ``TokenStream``.
+**What else exact resume depends on.** A deterministic run (same operations in the same
+order: ``torch.use_deterministic_algorithms(True)``, a fixed number of CPU threads, same
+device and versions). A ``DataLoader`` without a ``generator`` of its own draws a base
+seed from the *global* torch generator every time it is iterated, even without shuffling
+or workers: iterate it after ``restore_rng_state`` (or give it its own ``generator``)
+and restore its position from the data state, as ``examples/resume_demo.py`` does with
+its ``TokenStream``.
 """
 
 from __future__ import annotations
@@ -79,15 +82,16 @@ TRAINING_FORMAT_VERSION = 4
 CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d{6,})-step-(\d{8,})\.pt$")
 
 
-# --------------------------------------------------------------------------- reading torch files
+# ------------------------------------------------------------ reading torch files
 def read_torch_file(
     path: str | Path, *, mmap: bool = False, verify: bool = True
 ) -> Any:
-    """``torch.load(path, map_location="cpu", weights_only=True)`` with errors that name the file.
+    """``torch.load`` to the CPU with ``weights_only=True``; errors name the file.
 
-    The bytes are judged first: ``torch.save`` writes a zip archive (``PK``), safetensors an 8-byte length
-    then ``{``. ``verify`` checks the zip's CRCs, which ``torch.load`` does not (one extra read; skip it
-    for a huge file you trust). ``mmap=True`` maps the tensors' bytes: pages are read on use.
+    The bytes are judged first: ``torch.save`` writes a zip archive (``PK``),
+    safetensors an 8-byte length then ``{``. ``verify`` checks the zip's CRCs, which
+    ``torch.load`` does not (one extra read; skip it for a huge file you trust).
+    ``mmap=True`` maps the tensors' bytes: pages are read on use.
     """
     path = Path(path)
     if not path.is_file():
@@ -141,7 +145,7 @@ def read_torch_file(
 
 
 def _damaged_member(path: Path) -> str:
-    """`` (member X fails its CRC)`` when the zip archive says a member's bytes changed, else ``""``."""
+    """`` (member X fails its CRC)`` if the zip says a member changed, else ``""``."""
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
@@ -154,15 +158,18 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0]
 
 
-# --------------------------------------------------------------------------- weights
+# ------------------------------------------------------------ weights
 def _refuse(problems: list[str], message: str) -> None:
-    """If there are problems, raise CheckpointError: ``message``, then one indented line per problem."""
+    """Raise CheckpointError if there are problems: ``message``, a line for each."""
     if problems:
         raise CheckpointError(f"{message}:\n  " + "\n  ".join(problems))
 
 
 def _write_torch(path: Path, value: Any) -> Path:
-    """``torch.save`` through ``atomic_write``, kept only if ``weights_only`` can read it back; errors name ``path``."""
+    """``torch.save`` via ``atomic_write``, kept only if ``weights_only`` reads it back.
+
+    Errors name ``path``.
+    """
 
     def write(temporary: Path) -> None:
         torch.save(value, temporary)
@@ -188,7 +195,7 @@ def _write_torch(path: Path, value: Any) -> Path:
 
 
 def save_weights(model: nn.Module, path: str | Path) -> Path:
-    """Save the model's ``state_dict`` (wrapper prefixes removed) atomically with ``torch.save``."""
+    """Atomically ``torch.save`` the ``state_dict``, wrapper prefixes removed."""
     return _write_torch(Path(path), unwrap_state_dict(model.state_dict()))
 
 
@@ -199,10 +206,11 @@ def load_weights(
     mmap: bool = False,
     verify: bool | None = None,
 ) -> nn.Module:
-    """Load the weights of ``save_weights`` (any ``torch.save(state_dict)``) or of a training checkpoint, checked first.
+    """Load weights from ``save_weights`` or a training checkpoint, checked first.
 
-    ``verify`` (default: ``not mmap``) checks every CRC, which reads the whole file: under ``mmap=True``
-    that would read every page the mapping saves, so it is off unless asked for.
+    Any ``torch.save(state_dict)`` file loads too. ``verify`` (default: ``not mmap``)
+    checks every CRC, which reads the whole file: under ``mmap=True`` that would read
+    every page the mapping saves, so it is off unless asked for.
     """
     path = Path(path)
     verify = not mmap if verify is None else verify
@@ -220,9 +228,9 @@ def load_weights(
     return model
 
 
-# --------------------------------------------------------------------------- configurations
+# ------------------------------------------------------------ configurations
 def config_as_dict(config: Any) -> dict[str, Any] | None:
-    """A configuration dataclass as a dict of its fields (``weights_only`` refuses dataclasses); others as they are."""
+    """A dataclass as a dict of its fields, as ``weights_only`` needs; others as is."""
     return (
         dataclasses.asdict(config)
         if dataclasses.is_dataclass(config) and not isinstance(config, type)
@@ -242,13 +250,14 @@ def config_differences(
     ]
 
 
-# --------------------------------------------------------------------------- random number generators
+# ------------------------------------------------------------ random number generators
 def capture_rng_state(device: torch.device | str) -> dict[str, Any]:
-    """The global random states: Python, NumPy, torch's CPU generator and, on an accelerator, ``device``'s.
+    """Global random states: Python, NumPy, torch's CPU, an accelerator ``device``'s.
 
-    Only the training device's generator: a CPU run on a CUDA machine saves none, so it resumes on any
-    machine. NumPy's state holds an ndarray, which ``weights_only=True`` refuses: its 624 key words are
-    stored as a list, which ``np.random.set_state`` takes back as it is.
+    Only the training device's generator: a CPU run on a CUDA machine saves none, so it
+    resumes on any machine. NumPy's state holds an ndarray, which ``weights_only=True``
+    refuses: its 624 key words are stored as a list, which ``np.random.set_state`` takes
+    back as it is.
     """
     device = torch.device(device)
     algorithm, keys, position, has_gauss, cached = np.random.get_state(legacy=True)
@@ -271,17 +280,19 @@ def capture_rng_state(device: torch.device | str) -> dict[str, Any]:
 
 
 def rng_state_problems(saved: Any) -> list[str]:
-    """Why ``saved`` (``capture_rng_state``'s dict) is not a set of random states; empty when it is.
+    """Why ``saved`` (``capture_rng_state``'s dict) cannot be restored; empty if it can.
 
-    Each CPU state is tried on a private generator, so each library checks its own; a device state must
-    be a tensor. Whether the trainer's device can take it is ``rng_device_problems``'s question.
+    Each CPU state is tried on a private generator, so each library checks its own; a
+    device state must be a tensor. Whether the trainer's device can take it is
+    ``rng_device_problems``'s question.
     """
     try:
         random.Random().setstate(saved["python"])
         np.random.RandomState().set_state(tuple(saved["numpy"]))
         torch.Generator().set_state(saved["torch_cpu"])
         device_states = dict(saved["torch_device"])
-    except Exception as error:  # noqa: BLE001 -- a wrong type, length or value: each library raises its own
+    except Exception as error:  # noqa: BLE001
+        # a wrong type, length or value: each library raises its own
         return [f"rng: not restorable ({type(error).__name__}: {error})"]
     if not all(isinstance(state, torch.Tensor) for state in device_states.values()):
         return ["rng: a device generator's state must be a tensor"]
@@ -291,7 +302,7 @@ def rng_state_problems(saved: Any) -> list[str]:
 def rng_device_problems(
     saved: Mapping[str, Any], device: torch.device | str
 ) -> list[str]:
-    """Whether a checked ``saved`` has a device generator that training on ``device`` cannot take."""
+    """A problem if ``saved`` holds a device generator that ``device`` cannot take."""
     kinds = sorted(saved["torch_device"])
     if kinds and kinds != [torch.device(device).type]:
         return [
@@ -302,7 +313,10 @@ def rng_device_problems(
 
 
 def restore_rng_state(saved: Mapping[str, Any], device: torch.device | str) -> None:
-    """Set the global generators from ``capture_rng_state``'s dict; with neither kind of problem, none fails."""
+    """Set the global generators from ``capture_rng_state``'s dict.
+
+    It cannot fail once ``rng_state_problems`` and ``rng_device_problems`` find none.
+    """
     random.setstate(saved["python"])
     np.random.set_state(tuple(saved["numpy"]))
     torch.set_rng_state(saved["torch_cpu"])
@@ -310,14 +324,14 @@ def restore_rng_state(saved: Mapping[str, Any], device: torch.device | str) -> N
         torch.get_device_module(kind).set_rng_state(state, torch.device(device))
 
 
-# --------------------------------------------------------------------------- training checkpoints
+# ------------------------------------------------------------ training checkpoints
 def checkpoint_name(sequence: int, step: int) -> str:
-    """``ckpt-000007-step-00000042.pt``: the 7th save in its folder, taken after step 42."""
+    """``ckpt-000007-step-00000042.pt``: the 7th save in its folder, after step 42."""
     return f"ckpt-{sequence:06d}-step-{step:08d}.pt"
 
 
 def list_checkpoints(folder: str | Path) -> list[Path]:
-    """Training checkpoint files in ``folder``, in the order they were saved (temporaries never match)."""
+    """The checkpoints in ``folder``, in the order saved (temporaries never match)."""
     folder = Path(folder)
     found = (
         [(CHECKPOINT_PATTERN.match(path.name), path) for path in folder.iterdir()]
@@ -335,7 +349,7 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
 
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
-    """The checkpoint saved last in ``folder`` (highest sequence, whatever its step), or None."""
+    """The checkpoint saved last in ``folder`` (highest sequence, any step), or None."""
     found = list_checkpoints(folder)
     return found[-1] if found else None
 
@@ -349,11 +363,14 @@ def save_training_checkpoint(
     model_config: Any = None,
     keep_last: int = 3,
 ) -> Path:
-    """Write ``trainer_state`` (``Trainer.state_dict()``), the RNG states and the data position; keep ``keep_last``.
+    """Save the trainer's state, RNG states and data position; keep ``keep_last``.
 
-    ``device`` is the training device, whose generator is saved beside the CPU's. Call it after an optimizer step, before the next batch is drawn. The name takes the next sequence
-    past every name in ``folder`` that looks like a checkpoint. Nothing is written unless ``weights_only``
-    can read it back; older checkpoints are deleted only once the new one is durable, never the new one.
+    ``trainer_state`` is ``Trainer.state_dict()``; ``device`` is the training device,
+    whose generator is saved beside the CPU's. Call it after an optimizer step, before
+    the next batch is drawn. The name takes the next sequence past every name in
+    ``folder`` that looks like a checkpoint. Nothing is written unless ``weights_only``
+    can read it back; older checkpoints are deleted only once the new one is durable,
+    never the new one.
     """
     folder = Path(folder)
     if type(keep_last) is not int or keep_last < 1:
@@ -391,7 +408,7 @@ def save_training_checkpoint(
 
 @dataclass(frozen=True)
 class TrainingCheckpoint:
-    """A training checkpoint read whole, its envelope checked: what ``load_training_checkpoint`` applies."""
+    """A training checkpoint read whole, its envelope checked: what a load applies."""
 
     path: Path
     # Trainer.state_dict(); the trainer parses it against itself (its layout, shapes)
@@ -402,14 +419,14 @@ class TrainingCheckpoint:
     model_config: dict[str, Any] | None
 
     def config_changes(self, train_config: Any) -> list[str]:
-        """How ``train_config`` (a ``TrainConfig``) differs from the one saved: what a resumed run changes."""
+        """What a resumed run with ``train_config`` (a ``TrainConfig``) changes."""
         return config_differences(
             self.trainer.get("config"), config_as_dict(train_config)
         )
 
 
 def read_training_checkpoint(path: str | Path) -> TrainingCheckpoint:
-    """Read a training checkpoint (``weights_only``, CRCs checked) and parse its envelope; nothing is applied."""
+    """Read a checkpoint (``weights_only``, CRCs checked), parse it; apply nothing."""
     path = Path(path)
     state = read_torch_file(path)
     tag = (
@@ -449,14 +466,15 @@ def load_training_checkpoint(
     model_config: Any = None,
     restore_rng: bool = True,
 ) -> TrainingCheckpoint:
-    """Restore a run from ``path`` into ``trainer`` (and the global generators); return what was read.
+    """Restore ``trainer`` and global generators from ``path``; return what was read.
 
-    Parse, then apply: the file (``read_training_checkpoint``), the model configuration (a different
-    one is refused: the weights would not mean the same thing) and the RNG states are checked first,
-    then ``trainer.load_state_dict`` parses its own state before it changes anything; the generators
-    are set last, which cannot fail. The caller restores its data position from the returned ``data``.
-    A changed training configuration (say a new learning rate) is applied by the trainer and listed by
-    the returned checkpoint's ``config_changes(trainer.config)``.
+    Parse, then apply: the file (``read_training_checkpoint``), the model configuration
+    (a different one is refused: the weights would not mean the same thing) and the RNG
+    states are checked first, then ``trainer.load_state_dict`` parses its own state
+    before it changes anything; the generators are set last, which cannot fail. The
+    caller restores its data position from the returned ``data``. A changed training
+    configuration (say a new learning rate) is applied by the trainer and listed by the
+    returned checkpoint's ``config_changes(trainer.config)``.
     """
     checkpoint = read_training_checkpoint(path)
     problems = (

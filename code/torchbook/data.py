@@ -1,27 +1,27 @@
 """The token pipeline: token ids on disk as shards, streamed back as ``(x, y)`` batches.
 
-1. ``TokenDataset``: the map-style dataset most tutorials write (item ``i`` is the block starting
-   at ``i * block_size`` of a Python list). Correct and slow: every token passes through the
-   Python interpreter on every read.
-2. Shards on disk (``torchbook.shards``): ids in ``.bin`` files with a header, mapped with
-   ``np.memmap``.
-3. ``TokenStream``: an ``IterableDataset`` of whole batches. Each shard is viewed, without
-   copying, as a table whose rows are its blocks, so a batch is one gather of rows per shard it
-   touches. Use it with ``DataLoader(stream, batch_size=None)``.
+1. ``TokenDataset``: the map-style dataset most tutorials write (item ``i`` is the block
+   starting at ``i * block_size`` of a Python list). Correct and slow: every token
+   passes through the Python interpreter on every read.
+2. Shards on disk (``torchbook.shards``): ids in ``.bin`` files with a header, mapped
+   with ``np.memmap``.
+3. ``TokenStream``: an ``IterableDataset`` of whole batches. Each shard is viewed,
+   without copying, as a table whose rows are its blocks, so a batch is one gather of
+   rows per shard it touches. Use it with ``DataLoader(stream, batch_size=None)``.
 
-How the stream divides the work: a *block* is ``block_size + 1`` tokens starting at a multiple of
-``block_size`` inside one shard. Each epoch orders all blocks (a permutation seeded by
-``(seed, epoch)``, the same on every process, or file order), cuts the order into global batches,
-deals global batch ``g`` to rank ``g % world_size`` and the rank's ``k``-th batch to DataLoader
-worker ``k % num_workers``; the DataLoader collects round robin, so the loop sees the same order
-for any number of workers. Every rank must take the same number of steps or DDP hangs, so an
-epoch uses the largest multiple of ``world_size * batch_size`` blocks and reports the rest
-(``dropped_blocks_per_epoch``).
+How the stream divides the work: a *block* is ``block_size + 1`` tokens starting at a
+multiple of ``block_size`` inside one shard. Each epoch orders all blocks (a permutation
+seeded by ``(seed, epoch)``, the same on every process, or file order), cuts the order
+into global batches, deals global batch ``g`` to rank ``g % world_size`` and the rank's
+``k``-th batch to DataLoader worker ``k % num_workers``; the DataLoader collects round
+robin, so the loop sees the same order for any number of workers. Every rank must take
+the same number of steps or DDP hangs, so an epoch uses the largest multiple of
+``world_size * batch_size`` blocks and reports the rest (``dropped_blocks_per_epoch``).
 
 It builds on ``torchbook.shards`` (reading the shards it streams).
 
-Resuming: workers prefetch, so only the training loop knows how many batches it consumed. It
-passes that count to ``state_dict(batches_consumed)``; a fresh stream given
+Resuming: workers prefetch, so only the training loop knows how many batches it
+consumed. It passes that count to ``state_dict(batches_consumed)``; a fresh stream given
 ``load_state_dict(state)`` starts at the next batch.
 """
 
@@ -41,12 +41,13 @@ from torchbook.shards import ShardError, open_shard, read_header
 
 # ------------------------------------------------------------ 1. The tutorial version
 class TokenDataset(Dataset):
-    """Map-style dataset over a Python list of token ids: item ``i`` is the block starting at ``i * block_size``.
+    """Map-style dataset of a token list: item ``i`` is the block at ``i * block_size``.
 
-    The version most tutorials write, kept to be measured: each item copies ``2 * block_size``
-    Python ints into two new tensors, one by one. Its blocks are exactly ``TokenStream``'s over
-    one shard in file order. A package class, so DataLoader workers started with ``spawn`` can
-    unpickle it (a class defined in a notebook cannot be).
+    The version most tutorials write, kept to be measured: each item copies
+    ``2 * block_size`` Python ints into two new tensors, one by one. Its blocks are
+    exactly ``TokenStream``'s over one shard in file order. A package class, so
+    DataLoader workers started with ``spawn`` can unpickle it (a class defined in a
+    notebook cannot be).
     """
 
     def __init__(self, tokens: Sequence[int], block_size: int) -> None:
@@ -66,7 +67,7 @@ class TokenDataset(Dataset):
         )
 
 
-# ------------------------------------------------------------ 3. Streaming batches from shards
+# ------------------------------------------------------------ 3. Streaming from shards
 @dataclass(frozen=True)
 class StreamConfig:
     """How ``TokenStream`` cuts, orders and divides the blocks."""
@@ -86,12 +87,13 @@ _POSITION_KEYS = ("block_size", "batch_size", "shuffle", "seed", "world_size", "
 
 
 class TokenStream(IterableDataset):
-    """Yield ``(x, y)`` int64 batches of shape ``(batch_size, block_size)`` from token shards.
+    """Yield int64 ``(x, y)`` batches of shape ``(batch_size, block_size)`` from shards.
 
-    ``y`` is ``x`` shifted by one token. Use with ``DataLoader(stream, batch_size=None,
-    num_workers=...)``; every worker and every rank reads disjoint batches (see the module
-    docstring). Shards are validated in the constructor and mapped lazily in each worker; a
-    shard rewritten with another length in between is refused, not read past its end.
+    ``y`` is ``x`` shifted by one token. Use with
+    ``DataLoader(stream, batch_size=None, num_workers=...)``; every worker and every
+    rank reads disjoint batches (see the module docstring). Shards are validated in the
+    constructor and mapped lazily in each worker; a shard rewritten with another length
+    in between is refused, not read past its end.
     """
 
     def __init__(self, shards: Sequence[Path | str], config: StreamConfig) -> None:
@@ -127,7 +129,8 @@ class TokenStream(IterableDataset):
         self.block_start = np.concatenate(
             [np.arange(n, dtype=np.int64) * block for n in blocks_per_shard]
         )
-        # Tokens after each shard's last full block (a whole shard, if it is too short) are in no x or y.
+        # Tokens after each shard's last full block (a whole shard, if it is too short)
+        # are in no x or y.
         self.unused_tail_tokens = int(
             (
                 counts - np.where(blocks_per_shard > 0, blocks_per_shard * block + 1, 0)
@@ -154,10 +157,11 @@ class TokenStream(IterableDataset):
 
     # -- positions
     def state_dict(self, batches_consumed: int) -> dict:
-        """The position after the training loop has consumed ``batches_consumed`` batches in total.
+        """The position after the loop has consumed ``batches_consumed`` batches.
 
-        Count from the very start of training (not from the last resume). The configuration is
-        saved too: a stream that would order batches differently refuses the position rather than skip data.
+        Count from the very start of training (not from the last resume). The
+        configuration is saved too: a stream that would order batches differently
+        refuses the position rather than skip data.
         """
         return {key: getattr(self.config, key) for key in _POSITION_KEYS} | {
             "num_blocks": self.num_blocks,
@@ -165,7 +169,7 @@ class TokenStream(IterableDataset):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Start the next iteration at the batch after the ``batches_consumed`` saved in ``state``."""
+        """Make the next iteration start after ``state``'s ``batches_consumed``."""
         expected = self.state_dict(0)
         if not isinstance(state, dict) or set(state) != set(expected):
             raise ValueError(
@@ -189,7 +193,7 @@ class TokenStream(IterableDataset):
         self.start_batch = position
 
     def __len__(self) -> int:
-        """Batches one iteration yields on this rank, from the current start position."""
+        """Batches one iteration yields on this rank from the current start position."""
         if self.total_batches is None:
             raise TypeError(
                 "TokenStream with epochs=None repeats forever and has no length"
@@ -198,7 +202,7 @@ class TokenStream(IterableDataset):
 
     # -- order
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """All block ids of ``epoch`` in the order they are read (before dealing to ranks).
+        """All block ids of ``epoch`` in reading order (before dealing them to ranks).
 
         Seeded by the pair ``(seed, epoch)``, so seed 1 epoch 0 and seed 0
         epoch 1 are different orders (``seed + epoch`` would make them equal).
@@ -211,23 +215,26 @@ class TokenStream(IterableDataset):
         return order(self.num_blocks)
 
     def rank_batches(self, epoch: int) -> np.ndarray:
-        """Block ids of this rank's batches in ``epoch``, shape ``(batches_per_epoch, batch_size)``."""
+        """This rank's block ids in ``epoch``: ``(batches_per_epoch, batch_size)``."""
         cfg = self.config
         used = self.batches_per_epoch * cfg.world_size * cfg.batch_size
         global_batches = self.epoch_order(epoch)[:used].reshape(-1, cfg.batch_size)
-        # Within a batch, read blocks in file order (block ids run shard by shard): the rows' order
-        # does not change the batch's gradient, and each shard's blocks become one contiguous slice.
+        # Within a batch, read blocks in file order (block ids run shard by shard): the
+        # rows' order does not change the batch's gradient, and each shard's blocks
+        # become one contiguous slice.
         return np.sort(global_batches[cfg.rank :: cfg.world_size], axis=1)
 
     # -- reading
     def __getstate__(self) -> dict:
-        # Pickled into DataLoader workers (spawn on macOS/Windows): send paths, never the mapped data.
+        # Pickled into DataLoader workers (spawn on macOS/Windows): send paths, never
+        # the mapped data.
         return {**self.__dict__, "_blocks": None}
 
     def _block_views(self) -> list[np.ndarray]:
-        """Each shard's memmap viewed, read-only, as a table whose row ``i`` is the block at ``i * block_size``.
+        """Each shard's memmap viewed, read-only, as a table whose rows are its blocks.
 
-        Nothing is copied (consecutive rows share one token); a batch is a gather of whole rows.
+        Nothing is copied (consecutive rows share one token); a batch is a gather of
+        whole rows.
         """
         block, views = self.config.block_size, []
         for path, header, rows in zip(
@@ -250,7 +257,7 @@ class TokenStream(IterableDataset):
         return views
 
     def _gather(self, block_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read blocks ``block_ids`` (sorted, as rank_batches gives them) as int64 ``(x, y)``, one gather per shard."""
+        """Read sorted ``block_ids`` as int64 ``(x, y)``, one gather per shard."""
         # mapped on first use, in each worker
         self._blocks = self._blocks or self._block_views()
         # non-decreasing: rank_batches sorts each batch

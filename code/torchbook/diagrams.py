@@ -32,7 +32,7 @@ KEPT_COLOUR = "#cfe3f5"  # a dimension whose size is already the result's
 def storage_positions(
     shape: Sequence[int], stride: Sequence[int], offset: int = 0
 ) -> list[int]:
-    """Storage position of every element of a strided tensor, in row-major order of its indices.
+    """Storage position of each element of a strided tensor, in row-major index order.
 
     Element (i0, i1, ...) lives at ``offset + i0 * stride[0] + i1 * stride[1] + ...``:
     this is all a view is, and why a view needs no copy.
@@ -141,7 +141,7 @@ def plot_memory_layout(
 
 
 def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...]:
-    """The shape that broadcasting ``shapes`` gives: aligned from the right, size 1 stretches."""
+    """The shape broadcasting ``shapes`` gives: right-aligned, size 1 stretches."""
     result: list[int] = []
     for dim in range(1, max(map(len, shapes)) + 1):
         sizes = {shape[-dim] for shape in shapes if len(shape) >= dim} - {1}
@@ -230,7 +230,7 @@ def plot_broadcasting(
 
 
 def _tensor_label(name: str, tensor: torch.Tensor) -> str:
-    """``name`` and shape, and the dtype where it is not floating point (a bool mask, integer ids)."""
+    """``name`` and shape, plus dtype if not floating (a bool mask, integer ids)."""
     shape = "×".join(map(str, tensor.shape)) or "scalar"
     dtype = (
         ""
@@ -279,7 +279,7 @@ def _after(ax: plt.Axes, anchor: plt.Text, y: float, text: str, **style) -> plt.
 
 
 def plot_module_tree(model: nn.Module, collapse_repeats: bool = True) -> Figure:
-    """Draw a module tree: each submodule with its type, the tensors it owns and its parameter count.
+    """Draw a module tree: each submodule's type, own tensors and parameter count.
 
     Read from ``named_modules()``, ``named_parameters()``, ``named_buffers()`` and
     ``state_dict()``: parameters (blue) are trained and saved; buffers are moved

@@ -88,7 +88,7 @@ DATASETS: dict[str, tuple[DataFile, ...]] = {
 
 
 def repository_root() -> Path:
-    """The checkout this package lives in, or the working directory if it was copied elsewhere."""
+    """This package's checkout, or the working directory if it was copied elsewhere."""
     candidate = Path(__file__).resolve().parents[2]
     if (candidate / "pyproject.toml").is_file():
         return candidate
@@ -96,7 +96,7 @@ def repository_root() -> Path:
 
 
 def cache_dir() -> Path:
-    """The writable folder for everything derived (``BOOK_CACHE_DIR`` or ``.cache``), created if needed."""
+    """The writable cache folder (``BOOK_CACHE_DIR`` or ``.cache``), made if missing."""
     configured = os.environ.get(CACHE_VARIABLE)
     folder = (
         Path(configured).expanduser() if configured else repository_root() / ".cache"
@@ -107,7 +107,7 @@ def cache_dir() -> Path:
 
 
 def data_dir() -> Path:
-    """The folder holding the raw data sets: ``BOOK_DATA_DIR`` if set, else ``<cache>/data``."""
+    """The raw data sets' folder: ``BOOK_DATA_DIR`` if set, else ``<cache>/data``."""
     configured = os.environ.get(DATA_VARIABLE)
     if configured:
         folder = Path(configured).expanduser().resolve()
@@ -129,7 +129,7 @@ def sha256_of(path: Path) -> str:
 
 
 def verify(path: Path, expected_sha256: str) -> None:
-    """Raise DataError naming the file and both hashes unless its SHA-256 is the expected one."""
+    """Raise DataError, naming the file, unless its SHA-256 is ``expected_sha256``."""
     if not Path(path).is_file():
         raise DataError(
             f"{path}: missing (or not a file); expected the file whose SHA-256 is {expected_sha256}"
@@ -143,7 +143,7 @@ def verify(path: Path, expected_sha256: str) -> None:
 
 
 def download(spec: DataFile, root: Path, url: str | None = None) -> Path:
-    """Download ``spec`` into ``root``, unpack it if gzipped, verify it, then move it into place.
+    """Download ``spec`` into ``root``, gunzip it if needed, verify, move into place.
 
     The bytes go to a temporary next to the target through
     ``torchbook.files.atomic_write`` (unique name, fsync, rename, fsync of the
@@ -175,7 +175,7 @@ def download(spec: DataFile, root: Path, url: str | None = None) -> Path:
 
 
 def ensure(name: str, mirror: str | None = None) -> Path:
-    """Return the data folder after making sure every file of data set ``name`` is there and verified.
+    """The data folder, once every file of data set ``name`` is there and verified.
 
     With ``BOOK_DATA_DIR`` set, files are only checked, never downloaded.
     ``mirror`` replaces the canonical base URL (used by the tests' local server).
@@ -206,7 +206,7 @@ def ensure(name: str, mirror: str | None = None) -> Path:
 
 
 def mnist_root() -> Path:
-    """The folder to pass as ``root=`` to ``torchvision.datasets.MNIST`` (it holds ``MNIST/raw``)."""
+    """The ``root=`` for ``torchvision.datasets.MNIST`` (it holds ``MNIST/raw``)."""
     return ensure("mnist")
 
 

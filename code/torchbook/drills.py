@@ -1,4 +1,4 @@
-"""Checkers for the lab's exercise notebook, ``pytorch_drills.ipynb``: one ``check_drill_N`` per drill.
+"""Checkers for ``pytorch_drills.ipynb``, the lab's drills: one ``check_drill_N`` each.
 
 Each checker recomputes what it can from the objects you leave (your model,
 your optimizer, your files) rather than trusting numbers you report, and
@@ -91,7 +91,7 @@ def check_drill_1(
     test_images: Tensor,
     test_labels: Tensor,
 ) -> str:
-    """At most 3 epochs of steps (counted by the optimizer), every parameter moved, test accuracy >= 97%."""
+    """At most 3 epochs of steps, every parameter moved, test accuracy >= 97%."""
     problems = []
     steps_per_epoch = math.ceil(TRAIN_EXAMPLES / batch_size)
     counts = [
@@ -162,7 +162,7 @@ def check_drill_2(
     eager_step_s: float,
     compiled_step_s: float,
 ) -> str:
-    """A ``torch.compile``d model that computes what its eager module does, and three positive timings."""
+    """A ``torch.compile``d model matching its eager module; three positive timings."""
     problems = []
     eager = getattr(compiled_model, "_orig_mod", None)
     if eager is None:
@@ -170,7 +170,7 @@ def check_drill_2(
             f"{type(compiled_model).__name__} is not the result of torch.compile(model)"
         )
     else:
-        # A training-shaped call (train mode, gradients on, one batch), so nothing recompiles.
+        # A training-shaped call (train mode, gradients on, one batch): no recompile.
         sample = test_images[:batch_size]
         difference = (compiled_model(sample) - eager(sample)).abs().max().item()
         if difference > COMPILED_LOGIT_ATOL:
@@ -198,7 +198,7 @@ def check_drill_3(
     sgd_losses: Sequence[float],
     adamw_losses: Sequence[float],
 ) -> str:
-    """SGD with momentum 0.9, a loss curve as long as AdamW's (one step axis), and a loss that fell."""
+    """SGD with momentum 0.9, a loss curve as long as AdamW's, and a loss that fell."""
     problems = []
     if not isinstance(sgd_optimizer, torch.optim.SGD):
         problems.append(
@@ -235,7 +235,7 @@ def _shared_storage(first: Mapping[str, Tensor], second: Mapping[str, Tensor]) -
 def _compare_gradients(
     big_batch: Mapping[str, Tensor], accumulated: Mapping[str, Tensor]
 ) -> list[str]:
-    """The first batch's gradients, both ways: equal up to float32 rounding of the sum."""
+    """The first batch's gradients both ways: equal up to float32 rounding of sums."""
     if big_batch.keys() != accumulated.keys():
         return ["the two gradient dicts have different keys"]
     if shared := _shared_storage(big_batch, accumulated):
@@ -267,7 +267,7 @@ def check_drill_4(
     big_batch_accuracy: float,
     accumulated_accuracy: float,
 ) -> str:
-    """The first gradients agree, then the weights after the same steps; accuracies within 0.5."""
+    """Equal first gradients, then weights after equal steps; accuracies within 0.5."""
     problems = _compare_gradients(big_batch_grads, accumulated_grads)
     if compared_steps > MAX_COMPARED_STEPS:
         problems.append(
@@ -320,7 +320,7 @@ def check_drill_5(
     fp32_loss: float,
     bf16_loss: float,
 ) -> str:
-    """Your two test losses of the same float32 weights are the fp32 and the bf16-autocast ones, within 0.5%."""
+    """Test losses of one float32 model in fp32 and under bf16 autocast, within 0.5%."""
     dtypes = {p.dtype for p in model.parameters()}
     if dtypes != {torch.float32}:
         _fail_if(
@@ -364,7 +364,7 @@ def check_drill_6(
     checkpoint_path: Path | str,
     test_images: Tensor,
 ) -> str:
-    """A state dict on disk that loads with ``weights_only=True`` into a new model with identical test logits."""
+    """A state dict file that loads ``weights_only`` into a new model, same logits."""
     path = Path(checkpoint_path)
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
@@ -417,7 +417,7 @@ def check_drill_6(
 
 
 def check_drill_7(safetensors_path: Path | str, model: nn.Module) -> str:
-    """A safetensors file (8-byte length, JSON header) holding exactly the model's state dict."""
+    """A safetensors file (8-byte length, JSON header) with exactly the state dict."""
     path = Path(safetensors_path)
     data = path.read_bytes()
     length = int.from_bytes(data[:SAFETENSORS_HEADER_LENGTH_BYTES], "little")
@@ -466,7 +466,7 @@ CHECKERS: dict[int, Callable[..., str]] = {
 
 
 def check(number: int, namespace: Mapping[str, Any]) -> bool:
-    """Check drill ``number`` with the names its checker takes, found in ``namespace``; print the verdict.
+    """Run drill ``number``'s checker on names from ``namespace``; print the verdict.
 
     Returns whether it passed. A missing name, a wrong answer or an answer the
     checker cannot use is printed, never raised: a notebook run top to bottom

@@ -43,7 +43,7 @@ from torchbook.train import TrainConfig, Trainer
 
 # The fake tensors' device: fake CUDA needs a CUDA driver (see above).
 FAKE_DEVICE = torch.device("cpu")
-# What a step builder returns: the model and optimizer whose memory is tracked, and the step.
+# A step builder returns the model and optimizer whose memory is tracked, and the step.
 Built = tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]
 
 
@@ -87,7 +87,7 @@ def fake_peak_bytes(build: Callable[[], Built]) -> int:
 def gpt_step(
     config: GPTConfig, batch_size: int, precision: str, loop: str = "trainer"
 ) -> GpuStep:
-    """Chapter 7's step (``training_step`` in ``loop``'s form, fused AdamW) for ``config``."""
+    """Chapter 7's step (``loop``'s ``training_step``, fused AdamW) for ``config``."""
 
     def build() -> Built:
         model = GPT(config).train()

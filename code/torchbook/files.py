@@ -1,12 +1,12 @@
-"""Write a file so that a crash at any moment leaves either the old file or the new one, whole.
+"""Write a file so that a crash at any moment leaves the old file or the new one, whole.
 
 Every module of the book that writes something a later run trusts (a
 checkpoint, a token shard, a downloaded data set, a results file) goes through
 ``atomic_write``. The recipe is the one databases use:
 
-1. write the content to a temporary file in the *same folder*, under a unique
-   name (``O_EXCL`` on a random suffix), so two writers never share a temporary and a
-   rename never crosses file systems;
+1. write the content to a temporary file in the *same folder*, under a unique name
+   (``O_EXCL`` on a random suffix), so two writers never share a temporary and a rename
+   never crosses file systems;
 2. ``fsync`` the temporary: its bytes are on the disk, not only in the page cache;
 3. ``os.replace`` it over the final name: atomic on POSIX and Windows;
 4. ``fsync`` the folder: the rename itself is on the disk.
@@ -23,7 +23,7 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
-# Temporaries are ".<final name>.tmp-<random>": hidden, and never mistaken for the final file.
+# Temporaries are ".<final name>.tmp-<random>": hidden, never taken for the final file.
 TEMPORARY_MARKER = ".tmp-"
 
 
@@ -37,7 +37,7 @@ def fsync_path(path: str | Path) -> None:
 
 
 def is_temporary(path: str | Path) -> bool:
-    """True for a temporary that ``atomic_write`` made (a leftover from an interrupted write)."""
+    """True for an ``atomic_write`` temporary (a leftover from an interrupted write)."""
     name = Path(path).name
     return name.startswith(".") and TEMPORARY_MARKER in name
 
@@ -62,7 +62,7 @@ def _new_temporary(path: Path) -> Path:
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Call ``write(temporary)`` to fill a temporary file, then move it to ``path`` atomically.
+    """Fill a temporary with ``write(temporary)``, then move it to ``path`` atomically.
 
     Returns ``path``. On any error the temporary is removed and ``path`` is
     left as it was. A system error (a full disk, a read-only folder) is raised

@@ -1,4 +1,4 @@
-"""A GPT's training FLOPs per token, counted two ways, and how close a step comes to the device's peak.
+"""A GPT's training FLOPs per token, two ways, and how close a step comes to the peak.
 
 It builds on ``torchbook.models`` (``GPTConfig``), ``torchbook.memory``
 (``matmul_parameter_count``) and ``torchbook.memory_measure``
@@ -29,7 +29,7 @@ from torchbook.models import GPTConfig
 
 
 def flops_per_token(config: GPTConfig, seq_len: int) -> int:
-    """Training FLOPs per token: 6N for the matmul weights plus attention's own products.
+    """Training FLOPs per token: 6N for the matmul weights plus attention's products.
 
     Forward, each weight costs a multiply and an add per token (2N); backward
     costs twice that (4N: gradients for the input and for the weight).
@@ -71,7 +71,7 @@ def matmul_flops_per_second(
     dtype: torch.dtype = torch.float32,
     repeats: int = 5,
 ) -> float:
-    """The best rate of one (size x size) @ (size x size) matmul: this machine's practical peak."""
+    """Best FLOP rate of a (size x size) matmul: this machine's practical peak."""
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     a @ b  # warm-up: the first call pays for allocation and kernel selection
     best = min(timed(lambda: a @ b, device)[1] for _ in range(repeats))
@@ -87,12 +87,12 @@ def throughput_metrics(
     steps: int,
     peak_flops_per_second: float,
 ) -> dict[str, float]:
-    """Tokens per second of ``training_step`` (best of ``steps``), FLOPs per token, and MFU against the given peak.
+    """Tokens per second of ``training_step``, FLOPs per token, and MFU against a peak.
 
-    MFU, model FLOPs utilisation (Chowdhery et al. 2022, PaLM), is the FLOP rate
-    the model's formula implies at the measured speed, divided by a peak: here
-    the rate ``matmul_flops_per_second`` measures on the same device, one this
-    machine reaches, rather than a datasheet's.
+    The speed is the best of ``steps`` steps. MFU, model FLOPs utilisation
+    (Chowdhery et al. 2022, PaLM), is the FLOP rate the model's formula implies at
+    the measured speed, divided by a peak: here the rate ``matmul_flops_per_second``
+    measures on the same device, one this machine reaches, rather than a datasheet's.
     """
 
     def step() -> None:

@@ -18,7 +18,10 @@ CHAR_VOCAB = 256  # character-level models: at most 256 symbols (Tiny Shakespear
 
 
 def mlp_peak(widths: tuple[int, ...], batch_size: int) -> int:
-    """Upper bound on an MLP's training peak: 16 bytes per parameter, every layer's input and output kept."""
+    """Upper bound on an MLP's training peak, in bytes.
+
+    16 bytes per parameter, and every layer's input and output kept.
+    """
     parameters = sum(a * b + b for a, b in pairwise(widths))
     return 4 * FP32 * parameters + 2 * FP32 * batch_size * sum(widths)
 

@@ -1,12 +1,12 @@
-"""The book's tokenizer and chat template in the form Hugging Face ``transformers`` expects.
+"""The book's tokenizer and chat template as Hugging Face ``transformers`` expects them.
 
-``transformers`` models and trainers take a ``PreTrainedTokenizerFast`` and
-format conversations with ``tokenizer.apply_chat_template(messages)``, which
-renders a Jinja template stored in ``tokenizer.chat_template`` (which
-``save_pretrained`` writes as ``chat_template.jinja`` in transformers 5). ``hf_tokenizer`` wraps a ``tokenizers.Tokenizer``
-trained by ``torchbook.tokenizer`` and gives it a template built from the same
-``ChatTemplate`` strings that ``torchbook.chat.render_chat`` uses, so both
-produce the same text for the same messages. It builds on
+``transformers`` models and trainers take a ``PreTrainedTokenizerFast`` and format
+conversations with ``tokenizer.apply_chat_template(messages)``, which renders a Jinja
+template stored in ``tokenizer.chat_template`` (which ``save_pretrained`` writes as
+``chat_template.jinja`` in transformers 5). ``hf_tokenizer`` wraps a
+``tokenizers.Tokenizer`` trained by ``torchbook.tokenizer`` and gives it a template
+built from the same ``ChatTemplate`` strings that ``torchbook.chat.render_chat`` uses,
+so both produce the same text for the same messages. It builds on
 ``torchbook.tokenizer`` and ``torchbook.chat``.
 """
 
@@ -22,7 +22,7 @@ from torchbook.tokenizer import ASSISTANT, END_OF_TEXT, PAD, USER
 
 
 def jinja_chat_template(template: ChatTemplate = ChatTemplate()) -> str:
-    """A Jinja chat template that renders messages exactly as ``render_chat(messages, template)`` does.
+    """Jinja source rendering messages exactly as ``render_chat(messages, template)``.
 
     An unknown role raises inside the template (``raise_exception``), as
     ``render_chat`` refuses it; ``add_generation_prompt=True`` appends the
@@ -31,7 +31,8 @@ def jinja_chat_template(template: ChatTemplate = ChatTemplate()) -> str:
     user, assistant, end = (
         json.dumps(part) for part in (template.user, template.assistant, template.end)
     )
-    # One tag per line; "-" trims the newlines between tags, so only the {{ ... }} output is rendered.
+    # One tag per line; "-" trims the newlines between tags, so only the {{ ... }}
+    # output is rendered.
     return "\n".join(
         [
             "{%- for message in messages -%}",
@@ -53,7 +54,7 @@ def jinja_chat_template(template: ChatTemplate = ChatTemplate()) -> str:
 def hf_tokenizer(
     tokenizer: Tokenizer, template: ChatTemplate = ChatTemplate()
 ) -> PreTrainedTokenizerFast:
-    """Wrap a trained ``tokenizers.Tokenizer`` as a ``PreTrainedTokenizerFast`` with the book's chat template.
+    """Wrap a trained tokenizer as a ``PreTrainedTokenizerFast`` with the chat template.
 
     The special tokens are the ones ``torchbook.tokenizer`` trains with; the
     ids are the same, since the wrapper calls the same Rust tokenizer.

@@ -69,7 +69,7 @@ NAMES = "--layers: n_layer, --width: d_model, --heads: n_head, --vocab: vocab_si
 
 @dataclass(frozen=True)
 class TrainingShape:
-    """What a training step looks like besides the model: batch, precision, levers, sharding."""
+    """A training step besides the model: batch, precision, levers, sharding."""
 
     batch_size: int  # rows per rank per micro-batch
     seq_len: int
@@ -128,7 +128,7 @@ class MemoryBreakdown:
 
 
 def parameter_count(config: GPTConfig) -> int:
-    """Parameters of ``GPT(config)``: the tied embedding, n_layer blocks, the final LayerNorm."""
+    """Parameters of ``GPT(config)``: tied embedding, n_layer blocks, last LayerNorm."""
     width, hidden = config.d_model, MLP_EXPANSION * config.d_model
     block = (
         2 * 2 * width  # two LayerNorms, weight and bias
@@ -141,7 +141,7 @@ def parameter_count(config: GPTConfig) -> int:
 
 
 def matmul_parameter_count(config: GPTConfig) -> int:
-    """Weights that take part in a matrix multiplication: every block's four matrices and the tied head.
+    """Weights used in matmuls: every block's four matrices and the tied head.
 
     This is the N of "6N FLOPs per token": biases and LayerNorms cost a few
     operations per token, and the embedding lookup none.
@@ -159,7 +159,9 @@ def parameter_tensor_count(config: GPTConfig) -> int:
 
 
 def block_bytes_per_token(config: GPTConfig, shape: TrainingShape) -> int:
-    """Bytes one block saves per token, with C = d_model, H = n_head, a = compute dtype bytes.
+    """Bytes one block saves per token.
+
+    With C = d_model, H = n_head and a = the compute dtype's bytes:
 
     - 2 x 4C: the float32 inputs of its two LayerNorms (the residual stream), and
       4 x 4 bytes of their means and inverse standard deviations;
@@ -276,7 +278,7 @@ def loss_backward_bytes(config: GPTConfig, shape: TrainingShape) -> int:
 
 
 def predict_peak(config: GPTConfig, shape: TrainingShape) -> int:
-    """Bytes allocated at the busiest moment of a training step, once the optimizer has its states.
+    """Bytes at a training step's busiest moment, once the optimizer has its states.
 
     Parameters, optimizer states and DDP's buckets are always there. The
     candidates are:
@@ -373,7 +375,7 @@ def kv_cache_bytes(
 
 
 def breakdown_table(config: GPTConfig, shape: TrainingShape, gpu_gb: float) -> str:
-    """The calculator's report: bytes by kind, the predicted peak, and the fit on a GPU."""
+    """The calculator's report: bytes by kind, the predicted peak, the fit on a GPU."""
     memory = predict_memory(config, shape)
     rows = {
         "parameters": memory.parameters,

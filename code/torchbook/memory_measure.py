@@ -39,7 +39,7 @@ def training_loss(
     precision: str,
     loss_chunks: int = 1,
 ) -> torch.Tensor:
-    """The mean loss of the book's training forward: ``train.summed_loss`` over the tokens."""
+    """Mean loss of the book's training forward: ``summed_loss`` over the tokens."""
     return summed_loss(model, idx, targets, precision, loss_chunks) / targets.numel()
 
 
@@ -77,7 +77,7 @@ def training_step(
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a tied weight or a view counts once)."""
+    """Bytes of the distinct storages behind ``tensors``; a shared one counts once."""
     storages = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
     }
@@ -85,7 +85,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Exact bytes of the parameters, their gradients and the optimizer's state tensors."""
+    """Exact bytes of the parameters, their gradients and the optimizer's states."""
     parameters = list(model.parameters())
     states = [
         v
@@ -127,7 +127,7 @@ def saved_activation_bytes(
 
 @contextlib.contextmanager
 def _quiet_stderr() -> Iterator[None]:
-    """Silence the process's stderr: Kineto, the profiler's engine, writes status lines there."""
+    """Silence stderr: Kineto, the profiler's engine, writes status lines there."""
     saved = os.dup(2)
     with open(os.devnull, "w") as devnull:
         os.dup2(devnull.fileno(), 2)

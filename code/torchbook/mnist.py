@@ -1,4 +1,4 @@
-"""MNIST two ways: a ``Dataset`` of PIL images for a ``DataLoader``, and the whole set as resident tensors.
+"""MNIST two ways: a ``Dataset`` of PIL images, and the whole set as resident tensors.
 
 MNIST is 60,000 training and 10,000 test images of 28x28 bytes, 55 MB as
 bytes: it fits in memory many times over. Decoding each image into a PIL image
@@ -46,7 +46,7 @@ class MnistFormatError(ValueError):
 
 
 def read_idx(path: Path, expected_shape: tuple[int, ...]) -> torch.Tensor:
-    """Read an IDX file of unsigned bytes (MNIST's format) whose shape must be ``expected_shape``.
+    """Read an IDX file of unsigned bytes (MNIST's format) of shape ``expected_shape``.
 
     The header is a 4-byte magic number (two zero bytes, the type code 0x08
     and the number of dimensions), then each dimension as a big-endian int32,
@@ -88,7 +88,7 @@ def read_idx(path: Path, expected_shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def read_mnist(root: Path | str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images as uint8 ``(N, 28, 28)`` and labels as int64 ``(N,)`` from ``<root>/MNIST/raw``."""
+    """Images (uint8, ``(N, 28, 28)``) and labels (int64) from ``<root>/MNIST/raw``."""
     images_name, labels_name, count = RAW_FILES[bool(train)]
     raw = Path(root) / "MNIST" / "raw"
     images = read_idx(raw / images_name, (count, IMAGE_SIDE, IMAGE_SIDE))
@@ -101,10 +101,11 @@ def read_mnist(root: Path | str, train: bool) -> tuple[torch.Tensor, torch.Tenso
 
 
 class MnistImages(Dataset):
-    """MNIST as torchvision serves it: item ``i`` is ``(PIL image, int label)``, after ``transform``.
+    """MNIST as torchvision serves it: item ``i`` is a ``(PIL image, int label)`` pair.
 
-    ``data`` (uint8) and ``targets`` (int64) hold the whole split, as in
-    torchvision's class, for code that wants the tensors.
+    ``transform``, when given, is applied to the image. ``data`` (uint8) and
+    ``targets`` (int64) hold the whole split, as in torchvision's class, for code
+    that wants the tensors.
     """
 
     def __init__(
@@ -127,14 +128,14 @@ class MnistImages(Dataset):
 def mnist_dataset(
     root: Path | str, train: bool, transform: Callable | None = None
 ) -> MnistImages:
-    """MNIST from the raw files under ``root`` (which holds ``MNIST/raw``); never downloads."""
+    """MNIST from the raw files in ``root/MNIST/raw``; never downloads."""
     return MnistImages(root, train, transform)
 
 
 def resident_mnist(
     root: Path | str, train: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All images as normalized float32 ``(N, 1, 28, 28)`` and labels as int64 ``(N,)``, on ``device``."""
+    """Normalized float32 images ``(N, 1, 28, 28)`` and int64 labels on ``device``."""
     images, labels = read_mnist(root, train)
     images = (
         images.to(device=device, dtype=torch.float32).div_(255) - MNIST_MEAN
@@ -160,12 +161,13 @@ def resident_batches(
     end = len(images) - len(images) % batch_size if drop_last else len(images)
     for start in range(0, end, batch_size):
         index = order[start : start + batch_size]
-        # index_select copies whole rows; images[index] takes the general advanced-indexing path, several times slower
+        # index_select copies whole rows; images[index] takes the general
+        # advanced-indexing path, several times slower
         yield images.index_select(0, index), labels.index_select(0, index)
 
 
 class SlowTransform:
-    """Wrap a transform and wait ``seconds`` per item: stands in for costly decoding or remote reads.
+    """Wrap a transform and wait ``seconds`` per item, like slow decoding or reads.
 
     It sleeps rather than computes, so what it shows is overlap between the
     loader and the training step, not how many cores the machine has.
@@ -181,7 +183,7 @@ class SlowTransform:
 
 
 class RandomShift:
-    """Shift a ``(1, H, W)`` image by up to ``pixels`` in each direction, drawn from torch's global RNG.
+    """Shift a ``(1, H, W)`` image up to ``pixels`` each way, at random (torch's RNG).
 
     DataLoader seeds torch's RNG in each worker from its base seed plus the
     worker id, so the shifts differ across workers and repeat when the

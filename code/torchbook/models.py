@@ -1,4 +1,4 @@
-"""The book's models: a small decoder-only causal language model (GPT) and the tutorial TinyMLP.
+"""The book's models: a small causal language model (GPT) and the tutorial TinyMLP.
 
 The GPT is the classic pre-norm transformer, written to be read top to bottom:
 
@@ -97,7 +97,7 @@ class GPTConfig:
 def rope_tables(
     head_size: int, block_size: int, base: float = ROPE_BASE
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine and sine tables, each (block_size, head_size), for rotary position embeddings.
+    """Cosine and sine tables, each (block_size, head_size), for RoPE.
 
     Feature pair i of position t is rotated by the angle t * base**(-2i/head_size).
     Both halves of the last dimension carry the same angles, matching
@@ -128,11 +128,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def check_token_ids(
     ids: torch.Tensor, vocab_size: int, where: str = "token ids"
 ) -> None:
-    """Raise ValueError naming the first id outside ``[0, vocab_size)``; ``where`` names the input.
+    """Raise ValueError naming the first id outside ``[0, vocab_size)``.
 
-    Call it on host tensors (a data pipeline's batch before ``.to(device)``):
-    on an accelerator, ``ids.min()`` and ``ids.max()`` would have to be read
-    back, which waits for every queued kernel.
+    ``where`` names the input in the message. Call it on host tensors (a data
+    pipeline's batch before ``.to(device)``): on an accelerator, ``ids.min()`` and
+    ``ids.max()`` would have to be read back, which waits for every queued kernel.
     """
     if ids.numel() == 0:
         return
@@ -253,7 +253,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A small decoder-only causal language model: (B, T) token ids -> (B, T, vocab) logits.
+    """A small decoder-only language model: (B, T) token ids -> (B, T, vocab) logits.
 
     Buffers, all registered with ``persistent=False``:
 
@@ -419,15 +419,16 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
         use_cache: bool = False,
     ) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T); returns (B, T + max_new_tokens).
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T).
 
-        Each step feeds at most the last block_size tokens, divides the last
-        position's logits by ``temperature``, keeps the ``top_k`` largest if
-        given, and draws from the softmax with ``generator``. Sampling runs on
-        the generator's device, so a CPU generator draws the same random numbers
-        whatever device holds the model. The model's train/eval mode is left as
-        it is: call ``model.eval()`` first so dropout is off. ``use_cache`` keeps every
-        layer's keys and values, so a step runs one position while they fit block_size.
+        Returns (B, T + max_new_tokens). Each step feeds at most the last block_size
+        tokens, divides the last position's logits by ``temperature``, keeps the
+        ``top_k`` largest if given, and draws from the softmax with ``generator``.
+        Sampling runs on the generator's device, so a CPU generator draws the same
+        random numbers whatever device holds the model. The model's train/eval mode is
+        left as it is: call ``model.eval()`` first so dropout is off. ``use_cache``
+        keeps every layer's keys and values, so a step runs one position while they
+        fit block_size.
         """
         if max_new_tokens < 0:
             raise ValueError(
@@ -488,7 +489,7 @@ class TinyMLP(nn.Module):
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
-    """Number of scalar parameters in ``model``; only those with requires_grad by default.
+    """Number of scalar parameters in ``model`` (by default only trainable ones).
 
     ``model.parameters()`` yields each Parameter object once, so a tied weight
     (the GPT's embedding and head) is counted once, as it is stored and trained once.

@@ -1,4 +1,4 @@
-"""The book's optimizer and learning-rate schedule: AdamW in two groups, warmup + cosine.
+"""The book's optimizer and learning-rate schedule: two-group AdamW, warmup + cosine.
 
 The ``Trainer`` takes any optimizer; this module builds the default one, the
 way most LLM training runs set it up. ``OptimizerConfig`` holds what it is
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-# Devices with a fused AdamW kernel (one kernel for all parameters instead of one per operation).
+# Devices with a fused AdamW kernel (one kernel for all parameters, not one per op).
 FUSED_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu")
 
 
@@ -173,20 +173,20 @@ def apply_config(optimizer: torch.optim.Optimizer, config: OptimizerConfig) -> N
 
 # ----- loading a saved state -----
 
-# Param-group settings that say how the optimizer runs on this machine, not where training stands.
+# Param-group settings about how the optimizer runs here, not where training stands.
 IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
-# Param-group switches that decide which moments a parameter has (amsgrad adds max_exp_avg_sq).
+# Param-group switches that decide a parameter's moments (amsgrad adds max_exp_avg_sq).
 STATE_SWITCHES = ("amsgrad",)
 
 
 def optimizer_layout_problems(
     saved: Mapping[str, Any], optimizer: torch.optim.Optimizer
 ) -> list[str]:
-    """Where a saved ``optimizer.state_dict()`` has another layout than ``optimizer``; empty when it fits.
+    """Where a saved ``optimizer.state_dict()``'s layout differs from ``optimizer``'s.
 
-    The layout: the number of groups and of parameters in each, the
-    ``STATE_SWITCHES``, and the shape of every moment (a tensor with
-    dimensions must have its parameter's shape; 0-dim ones are step counts).
+    Empty when it fits. The layout: the number of groups and of parameters in each,
+    the ``STATE_SWITCHES``, and the shape of every moment (a tensor with dimensions
+    must have its parameter's shape; 0-dim ones are step counts).
     """
     groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
     if not isinstance(groups, list) or not isinstance(saved.get("state"), Mapping):
@@ -232,7 +232,7 @@ def optimizer_layout_problems(
 def load_optimizer_state(
     optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
 ) -> None:
-    """``optimizer.load_state_dict(saved)``, keeping this optimizer's ``IMPLEMENTATION_FLAGS``.
+    """Load ``saved`` into ``optimizer``, keeping its own ``IMPLEMENTATION_FLAGS``.
 
     Torch takes every group setting from the file, so a state saved without the
     fused kernel (``fused=None``) would turn a fused optimizer into one that

@@ -39,7 +39,7 @@ def plot_history(
     ylabel: str = "loss (nats per token)",
     title: str | None = None,
 ) -> Figure:
-    """Plot ``keys`` against ``step`` for every run in ``histories``; returns the figure.
+    """Plot ``keys`` against ``step`` for every run in ``histories``; return the figure.
 
     ``histories`` maps a run's name (the legend's label) to its history; rows
     without a key are skipped, so sparse validation losses plot as their own
@@ -51,7 +51,7 @@ def plot_history(
         figure, ax = plt.subplots(figsize=(7, 4), layout="constrained")
     else:
         figure = ax.figure
-    # One run: one colour per key. Several runs: one colour per run, keys told apart by style.
+    # One run: a colour per key. Several runs: a colour per run, a line style per key.
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for run_index, (run, history) in enumerate(histories.items()):
         for key_index, key in enumerate(keys):
@@ -106,7 +106,7 @@ def plot_diagnostics(
     axes: Sequence[Axes] | None = None,
     title: str | None = None,
 ) -> Figure:
-    """Plot learning rate, gradient norm and tokens per second against ``step``, one panel each.
+    """Plot learning rate, gradient norm and tokens/s against ``step``, one panel each.
 
     ``max_grad_norm`` draws the clip threshold as a dashed line on the
     gradient-norm panel, so you see how often clipping acted (every point above
@@ -134,7 +134,7 @@ def plot_diagnostics(
         )
         if log_scale:
             ax.set_yscale("log")
-            # Plain numbers (0.5, 2) rather than 5x10^-1: a norm rarely spans many decades.
+            # Plain numbers (0.5, 2), not 5x10^-1: a norm rarely spans many decades.
             ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
             ax.yaxis.set_minor_formatter(
                 LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5))
@@ -216,7 +216,7 @@ RESUME_RUNS = {
 def plot_resume_runs(
     runs: Mapping[str, Mapping[str, Sequence[float]]], resume_step: int
 ) -> Figure:
-    """Loss per step of chapter 5's runs A-D (``steps``, ``losses``), and each one's loss minus A's.
+    """Loss per step of chapter 5's runs A-D (``steps``, ``losses``) and each minus A's.
 
     The difference panel is linear within 1e-4 and logarithmic beyond, so an exact
     zero (a bit-exact resume) and the controls' small gaps are both visible.
@@ -247,7 +247,7 @@ def plot_resume_runs(
     return fig
 
 
-# One training step under DDP or FSDP2 (chapter 6): what a rank computes, and what it sends meanwhile.
+# One DDP or FSDP2 step (chapter 6): what a rank computes and what it sends meanwhile.
 STEP_COLOURS = {
     "forward": "#c6dbef",
     "backward": "#6baed6",

@@ -191,7 +191,7 @@ class LabSizes:
 
 @dataclass(frozen=True)
 class DeviceSizes:
-    """Chapter 6: devices, DDP and FSDP2 on two processes, torch.compile, single-device tools.
+    """Chapter 6: devices, two-process DDP and FSDP2, torch.compile, one-device tools.
 
     The distributed runs prove equalities, not speed, so both profiles use a
     tiny GPT for them; the compile and matmul measurements grow on the gpu profile.
@@ -247,7 +247,10 @@ class MemorySizes:
 
 @dataclass(frozen=True)
 class Profile:
-    """Device and run sizes for one profile. Chapters read these; none hard-codes its own."""
+    """Device and run sizes for one profile.
+
+    Chapters read these; none hard-codes its own.
+    """
 
     name: str
     device: torch.device

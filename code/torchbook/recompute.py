@@ -1,4 +1,4 @@
-"""Selective activation checkpointing: keep what is costly to recompute, recompute the rest.
+"""Selective activation checkpointing: keep costly outputs, recompute the rest.
 
 Full checkpointing (``GPTConfig(activation_checkpointing=True)``) keeps only
 each block's input and runs the whole block again in the backward pass: one
@@ -51,7 +51,7 @@ def keep_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> ob
 
 
 def checkpoint_blocks_selectively(model: GPT) -> GPT:
-    """Wrap each of ``model``'s blocks in selective checkpointing, in place; returns ``model``.
+    """Wrap each block of ``model`` in selective checkpointing, in place; returns it.
 
     The random state is saved for the recomputation only when dropout is on,
     so that a recomputed dropout mask equals the first one.

@@ -52,7 +52,7 @@ PROVENANCE_FIELDS = {
 
 
 class ResultsError(ValueError):
-    """A results file is missing, malformed or of another kind; the message names the file and the field."""
+    """A results file is missing, malformed or of another kind; names file and field."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class RunResult:
 
     @property
     def label(self) -> str:
-        """How a caption names where and when the result was made: ``NVIDIA H200, 2026-12-03``."""
+        """Where and when, for a caption: ``NVIDIA H200, 2026-12-03``."""
         return f"{self.provenance['device_name']}, {self.provenance['date'][:10]}"
 
 
@@ -94,7 +94,7 @@ def source_hashes(root: str | Path, sources: Iterable[str]) -> dict[str, str]:
 
 
 def git_commit(root: str | Path) -> str:
-    """The checked-out commit of the repository at ``root``, or "" when there is none."""
+    """The checked-out commit of the repository at ``root``, or "" if there is none."""
     try:
         done = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -109,7 +109,7 @@ def git_commit(root: str | Path) -> str:
 
 
 def describe_device(device: torch.device) -> tuple[str, str, str]:
-    """(device name, compute capability, CUDA version) as strings for the provenance record."""
+    """(device name, compute capability, CUDA version) as strings for the provenance."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return (
@@ -123,7 +123,7 @@ def describe_device(device: torch.device) -> tuple[str, str, str]:
 def make_provenance(
     device: torch.device, root: str | Path, sources: Iterable[str], wall_seconds: float
 ) -> dict[str, Any]:
-    """The provenance record of a run made now, on ``device``, from the sources below ``root``."""
+    """The provenance of a run made now on ``device`` from the sources in ``root``."""
     name, capability, cuda = describe_device(torch.device(device))
     return {
         "device": torch.device(device).type,
@@ -183,7 +183,10 @@ def write_result(
 
 
 def _as_float(value: Any) -> Any:
-    """A number (a NumPy or torch scalar too) as a float; anything else unchanged, for ``_validate`` to name."""
+    """A number (NumPy or torch scalars too) as a float; anything else as is.
+
+    ``_validate`` then names what is not a number.
+    """
     if isinstance(value, (str, bool)) or value is None:
         return value
     try:
@@ -193,7 +196,7 @@ def _as_float(value: Any) -> Any:
 
 
 def _is_finite_number(value: Any) -> bool:
-    """True for an int or float that a float can hold: 1e400 (inf) and a 400-digit int are not."""
+    """True for an int or float a float holds; not 1e400 (inf) or a 400-digit int."""
     try:
         return (
             not isinstance(value, bool)
@@ -332,7 +335,7 @@ def read_result(path: str | Path) -> RunResult:
 
 
 def find_results(folder: str | Path, run: str) -> list[RunResult]:
-    """Every results file in ``folder`` for ``run`` (``<run>-*.json``), newest first; [] if none.
+    """Every results file ``<run>-*.json`` in ``folder``, newest first; [] if none.
 
     Dry runs are left out: their numbers come from fake tensors, not a GPU.
     """
@@ -346,7 +349,10 @@ def find_results(folder: str | Path, run: str) -> list[RunResult]:
 
 
 def history_series(history: list[dict]) -> dict[str, dict[str, list[float]]]:
-    """A ``Trainer`` history as the series of a results file: "train" (every row) and "val" (rows with ``val_loss``)."""
+    """A ``Trainer`` history as a results file's series, "train" and "val".
+
+    "train" holds every row, "val" the rows with a ``val_loss``.
+    """
     train_keys = [
         key
         for key in ("step", "loss", "lr", "grad_norm", "tokens_per_second")
@@ -362,7 +368,7 @@ def history_series(history: list[dict]) -> dict[str, dict[str, list[float]]]:
 
 
 def history_rows(result: RunResult) -> list[dict[str, float]]:
-    """The inverse of ``history_series``: one dict per logged step, ``val_loss`` where it was evaluated."""
+    """Inverse of ``history_series``: a dict per logged step, ``val_loss`` if any."""
     train = result.history.get("train", {})
     rows = [
         dict(zip(train, values, strict=True))
@@ -377,7 +383,7 @@ def history_rows(result: RunResult) -> list[dict[str, float]]:
 
 
 def stale_sources(result: RunResult, root: str | Path) -> list[str]:
-    """The source files the result depends on that changed (or vanished) since it was made."""
+    """The result's source files that changed or vanished since it was made."""
     root = Path(root)
     changed = []
     for name, digest in result.provenance["sources"].items():

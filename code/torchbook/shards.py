@@ -1,18 +1,20 @@
 """Token ids on disk: shards with a header, written atomically, checked before use.
 
-``write_shard`` stores ids in one ``.bin`` file: a JSON header padded to ``HEADER_BYTES``
-(dtype, token count, vocabulary size, tokenizer) followed by the ids, uint16 when the
-vocabulary fits, else uint32; llm.c's shards have the same shape. ``open_shard`` checks the
-header against the file's size and maps the ids with ``np.memmap``, both from one open file.
-``write_shards`` cuts a token array into shards with an index; ``cached_shards`` trusts a
-folder only when its index and every shard validate, and rebuilds it otherwise.
+``write_shard`` stores ids in one ``.bin`` file: a JSON header padded to
+``HEADER_BYTES`` (dtype, token count, vocabulary size, tokenizer) followed by the ids,
+uint16 when the vocabulary fits, else uint32; llm.c's shards have the same shape.
+``open_shard`` checks the header against the file's size and maps the ids with
+``np.memmap``, both from one open file. ``write_shards`` cuts a token array into shards
+with an index; ``cached_shards`` trusts a folder only when its index and every shard
+validate, and rebuilds it otherwise.
 
-Concurrency: a shard is one file replaced by one atomic rename, so a process that opens it
-while another rewrites it reads the old shard or the new one, whole. ``cached_shards`` holds a
-lock on its folder while it checks and rebuilds, so processes that ask for the same cache at
-once (DDP ranks, two notebooks) build it once and all get it. Writing one folder with
-``write_shards`` from several processes, or asking ``cached_shards`` for different contents
-of one folder at once, is not supported: give each its own folder.
+Concurrency: a shard is one file replaced by one atomic rename, so a process that opens
+it while another rewrites it reads the old shard or the new one, whole.
+``cached_shards`` holds a lock on its folder while it checks and rebuilds, so processes
+that ask for the same cache at once (DDP ranks, two notebooks) build it once and all get
+it. Writing one folder with ``write_shards`` from several processes, or asking
+``cached_shards`` for different contents of one folder at once, is not supported: give
+each its own folder.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class ShardHeader:
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned dtype that holds every id of a vocabulary: uint16 up to 65,536 ids, else uint32."""
+    """The smallest unsigned dtype for the ids: uint16 up to 65,536 ids, else uint32."""
     return np.dtype(np.uint16 if vocab_size <= UINT16_VOCAB_LIMIT else np.uint32)
 
 
@@ -62,10 +64,10 @@ def write_shard(
     vocab_size: int,
     tokenizer: str,
 ) -> Path:
-    """Write token ids to ``path`` (a ``.bin`` file) after their header; return the path.
+    """Write token ids to ``path`` (a ``.bin`` file) after a header; return the path.
 
-    Every argument and id is checked before anything is written, and the file is written with
-    ``atomic_write``: a crash leaves the old shard or the new one, never a part.
+    Every argument and id is checked before anything is written, and the file is written
+    with ``atomic_write``: a crash leaves the old shard or the new one, never a part.
     """
     path, ids = Path(path), np.asarray(tokens)
     if (
@@ -111,7 +113,7 @@ _HEADER_TYPES = {
 
 
 def _read_header(path: Path) -> tuple[ShardHeader, np.memmap]:
-    """Parse shard ``path``'s header, check it against the file's size and map the ids, all from one open file."""
+    """From one open file: parse ``path``'s header, check the file size, map the ids."""
     try:
         handle = open(path, "rb")
     except FileNotFoundError:
@@ -163,9 +165,9 @@ def read_header(path: Path | str) -> ShardHeader:
 def open_shard(path: Path | str, check_ids: bool = False) -> np.memmap:
     """Validate shard ``path`` and map its ids read-only as a 1-D array.
 
-    Header and ids come from one open file, so a shard replaced meanwhile is never half-read.
-    ``check_ids=True`` also reads the whole shard once to confirm every id is below the
-    vocabulary size (write_shard already checked when it wrote).
+    Header and ids come from one open file, so a shard replaced meanwhile is never
+    half-read. ``check_ids=True`` also reads the whole shard once to confirm every id is
+    below the vocabulary size (write_shard already checked when it wrote).
     """
     header, tokens = _read_header(Path(path))
     if check_ids and (bad := np.flatnonzero(tokens >= header.vocab_size)).size:
@@ -189,10 +191,11 @@ def write_shards(
     tokens_per_shard: int,
     prefix: str = "shard",
 ) -> list[Path]:
-    """Split ``tokens`` into shards of ``tokens_per_shard`` ids named ``<prefix>_000.bin``, ...; return their paths.
+    """Split ``tokens`` into shards of ``tokens_per_shard`` ids; return their paths.
 
-    The index ``<prefix>_index.json`` (shard names, total tokens, tokenizer) is
-    removed first and written last, so it exists only when every shard does.
+    Shards are named ``<prefix>_000.bin``, ``<prefix>_001.bin``, ... The index
+    ``<prefix>_index.json`` (shard names, total tokens, tokenizer) is removed first and
+    written last, so it exists only when every shard does.
     """
     ids, folder = np.asarray(tokens), Path(folder)
     if (
@@ -232,7 +235,7 @@ def write_shards(
 
 
 def read_shards(folder: Path | str, prefix: str = "shard") -> list[Path]:
-    """The shards listed by ``folder``'s index, after validating the index and every shard against it."""
+    """The shards in ``folder``'s index, once the index and every shard validate."""
     return _read_index(Path(folder), prefix)[0]
 
 
@@ -280,14 +283,15 @@ def cached_shards(
     tokens_per_shard: int,
     prefix: str = "shard",
 ) -> list[Path]:
-    """The shards in ``folder`` if they are complete and made by this tokenizer; otherwise rebuild them.
+    """The shards in ``folder`` if complete and from this tokenizer; else rebuild them.
 
-    A derived cache is trusted only after its index and every shard validate, never because one
-    file exists: a run killed mid-write leaves a folder this rebuilds instead of failing on
-    forever. A cache cut at another ``tokens_per_shard`` is rebuilt too (the cut decides which
-    blocks exist). ``make_tokens()`` is called only to rebuild. The check and the rebuild hold a
-    lock on the folder, so processes asking at once build it once (see the module docstring);
-    shards are replaced, never deleted first, so their readers see old or new ones.
+    A derived cache is trusted only after its index and every shard validate, never
+    because one file exists: a run killed mid-write leaves a folder this rebuilds
+    instead of failing on forever. A cache cut at another ``tokens_per_shard`` is
+    rebuilt too (the cut decides which blocks exist). ``make_tokens()`` is called only
+    to rebuild. The check and the rebuild hold a lock on the folder, so processes asking
+    at once build it once (see the module docstring); shards are replaced, never deleted
+    first, so their readers see old or new ones.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

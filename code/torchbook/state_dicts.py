@@ -1,4 +1,4 @@
-"""A model's ``state_dict`` across wrappers, and the check to run before ``load_state_dict``.
+"""A model's ``state_dict`` across wrappers, and the check to run before loading it.
 
 ``torch.compile(model)`` keeps the model as ``_orig_mod`` and DDP as ``.module``;
 each puts its attribute's name in front of every key, so a file saved from a
@@ -25,11 +25,14 @@ LISTED_KEYS = 12  # an error lists at most this many keys, then how many more
 
 
 class CheckpointError(Exception):
-    """A weights or checkpoint file cannot be written or read as asked; the message names the file."""
+    """A weights or checkpoint file cannot be written or read as asked.
+
+    The message names the file.
+    """
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain module inside torch.compile (``_orig_mod``) and DDP (``.module``) wrappers, however nested."""
+    """The plain module inside torch.compile and DDP wrappers, however nested."""
     while True:
         if isinstance(getattr(model, "_orig_mod", None), nn.Module):
             model = model._orig_mod
@@ -40,7 +43,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def unwrap_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """The same entries without a wrapper's prefix, removed only when every key has it (however nested)."""
+    """The same entries without a wrapper prefix that every key has (however nested)."""
     unwrapped = dict(state_dict)
     while unwrapped and (
         prefix := next(
@@ -57,13 +60,16 @@ def unwrap_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def listed(keys: Sequence[str]) -> str:
-    """``a, b, c and 9 more``: at most ``LISTED_KEYS`` names, then the count of the rest."""
+    """``a, b, c and 9 more``: at most ``LISTED_KEYS`` names, then how many more."""
     more = f" and {len(keys) - LISTED_KEYS} more" if len(keys) > LISTED_KEYS else ""
     return ", ".join(map(str, keys[:LISTED_KEYS])) + more
 
 
 def state_dict_problems(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
-    """Missing and unexpected keys, and tensors of another shape or dtype; empty when ``state_dict`` fits ``model``."""
+    """Missing and unexpected keys, and tensors of another shape or dtype.
+
+    Empty when ``state_dict`` fits ``model``.
+    """
     expected = unwrap_model(model).state_dict()
     missing = [key for key in expected if key not in state_dict]
     unexpected = [str(key) for key in state_dict if key not in expected]
@@ -89,7 +95,10 @@ def state_dict_problems(model: nn.Module, state_dict: Mapping[str, Any]) -> list
 def check_state_dict(
     model: nn.Module, state_dict: Mapping[str, Any], source: str | Path
 ) -> None:
-    """Raise ``CheckpointError`` naming ``source`` unless ``state_dict`` fits ``model``; nothing is loaded."""
+    """Raise ``CheckpointError`` naming ``source`` unless ``state_dict`` fits ``model``.
+
+    Nothing is loaded.
+    """
     problems = state_dict_problems(model, state_dict)
     if problems:
         raise CheckpointError(

@@ -70,12 +70,12 @@ def train_bpe(
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: Path | str) -> Path:
-    """Save ``tokenizer`` as one JSON file (vocabulary, merges and settings together), atomically."""
+    """Save ``tokenizer`` atomically as one JSON file: vocabulary, merges, settings."""
     return atomic_write_text(path, tokenizer.to_str())
 
 
 def load_tokenizer(path: Path | str) -> Tokenizer:
-    """Load a tokenizer saved by ``save_tokenizer``, naming the file if it is missing or malformed."""
+    """Load a ``save_tokenizer`` file, naming the file if it is missing or malformed."""
     path = Path(path)
     if not path.is_file():
         raise TokenizerError(
@@ -90,7 +90,7 @@ def load_tokenizer(path: Path | str) -> Tokenizer:
 def cached_tokenizer(
     path: Path | str, text_files: Sequence[Path | str], vocab_size: int
 ) -> Tokenizer:
-    """The tokenizer saved at ``path`` if it loads and has ``vocab_size`` ids; otherwise train and save it.
+    """The tokenizer at ``path`` if it has ``vocab_size`` ids; else train and save one.
 
     A derived file is trusted only after it loads and matches the request, so a
     damaged or foreign ``tokenizer.json`` is replaced instead of used.

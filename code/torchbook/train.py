@@ -47,7 +47,7 @@ from torchbook.optim import (
 )
 from torchbook.state_dicts import state_dict_problems, unwrap_model
 
-# Targets equal to this are not scored (padding, prompt tokens): cross_entropy's own default.
+# Targets equal to this are not scored (padding, prompts): cross_entropy's default.
 IGNORE_INDEX = -100
 Batch = tuple[Tensor, Tensor]  # (inputs, targets)
 # fp16 steps the scaler may skip in a row: from its initial 2**16 the scale is then
@@ -56,7 +56,7 @@ MAX_SKIPS_IN_A_ROW = 24
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss or gradient became NaN or infinite, or fp16 overflowed step after step."""
+    """The loss or gradient became NaN or inf, or fp16 overflowed step after step."""
 
 
 @dataclass
@@ -96,21 +96,27 @@ class TrainConfig(OptimizerConfig):
 
 @dataclass
 class StepResult:
-    """One optimizer step's numbers, as ``train_step`` returns them; the tensors stay on the device
-    until ``log`` reads the steps since the last history row all at once (one sync)."""
+    """One optimizer step's numbers, as ``train_step`` returns them.
+
+    The tensors stay on the device until ``log`` reads the steps since the last
+    history row all at once (one sync).
+    """
 
     step: int  # the step count after this step (unchanged when it was skipped)
     lr: float  # the learning rate this step used
-    loss: Tensor  # mean loss over the step's target tokens (global across ranks when distributed)
+    loss: Tensor  # mean loss per target token (over all ranks when distributed)
     grad_norm: Tensor  # total gradient norm before clipping
     # the step's target-token count (global across ranks when distributed)
     target_tokens: Tensor
-    skipped: bool  # True when the fp16 scaler skipped the step (step and schedule did not advance)
+    skipped: bool  # the fp16 scaler skipped it; step and schedule did not advance
 
 
 @dataclass
 class TrainerState:
-    """A saved ``Trainer.state_dict()``, parsed and checked against a trainer: loading it cannot fail half-way."""
+    """A saved ``Trainer.state_dict()``, parsed and checked against a trainer.
+
+    Loading it cannot fail half-way.
+    """
 
     model: dict[str, Tensor]  # keys, shapes and dtypes checked
     optimizer: dict[str, Any]  # layout checked: groups, parameters, moment shapes
@@ -161,7 +167,7 @@ def _cross_entropy_sum(logits: Tensor, y: Tensor) -> Tensor:
 
 
 def _head_loss(head: nn.Module, hidden: Tensor, y: Tensor, precision: str) -> Tensor:
-    """One slice of a chunked loss: the head under autocast, cross-entropy in float32."""
+    """One slice of a chunked loss: head under autocast, cross-entropy in float32."""
     with torch.autocast(
         hidden.device.type,
         dtype=AUTOCAST_DTYPES[precision],
@@ -176,8 +182,11 @@ def _world_size() -> int:
 
 
 def _check_model(model: nn.Module, device: torch.device) -> None:
-    """Raise unless every tensor of ``model`` is on ``device`` (where AdamW creates its moments) and, with
-    several ranks, the model is DDP or FSDP (which average gradients over the ranks)."""
+    """Raise unless ``model`` is all on ``device`` and, with several ranks, DDP or FSDP.
+
+    ``device`` is where AdamW creates its moments; DDP and FSDP average gradients
+    over the ranks.
+    """
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         where = tensor.device
         if where.type != device.type or device.index not in (None, where.index):
@@ -203,12 +212,13 @@ def _gradient_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextMa
 
 
 class Trainer:
-    """Trains ``model`` (inputs -> logits) with clipping, mixed precision and a learning-rate schedule.
+    """Trains ``model`` with clipping, mixed precision and a learning-rate schedule.
 
-    ``optimizer`` defaults to ``build_adamw``'s, and before each step the Trainer writes
-    ``learning_rate(step, config)`` into it, unless a ``scheduler`` comes with the optimizer.
-    ``step`` counts optimizer steps (fp16 steps the scaler skipped: ``skipped_steps``);
-    ``history`` has a row per logged step: step, loss, lr, grad_norm, tokens_per_second.
+    ``model`` maps inputs to logits. ``optimizer`` defaults to ``build_adamw``'s, and
+    before each step the Trainer writes ``learning_rate(step, config)`` into it,
+    unless a ``scheduler`` comes with the optimizer. ``step`` counts optimizer steps
+    (fp16 steps the scaler skipped: ``skipped_steps``); ``history`` has a row per
+    logged step: step, loss, lr, grad_norm, tokens_per_second.
     """
 
     def __init__(
@@ -227,7 +237,7 @@ class Trainer:
         self.owns_optimizer = optimizer is None  # so a load sets it to config
         self.optimizer = optimizer or build_adamw(model, config, device)
         self.scheduler = scheduler  # None: the Trainer sets the rate itself
-        # Loss scaling only for fp16, whose narrow exponent range flushes small gradients to zero.
+        # Loss scaling only for fp16: its narrow range flushes small gradients to zero.
         self.scaler = torch.amp.GradScaler(
             device.type, enabled=config.precision == "fp16"
         )
@@ -243,17 +253,18 @@ class Trainer:
     def accumulate_gradients(
         self, micro_batches: Sequence[Batch]
     ) -> tuple[Tensor, Tensor]:
-        """Parts 1-3 over ``micro_batches``; returns (mean loss, target tokens) on the device.
+        """Parts 1-3 over ``micro_batches``; returns the mean loss and target tokens.
 
-        Each summed loss is divided by the token count of *all* micro-batches, so the
-        accumulated gradient is exactly one big batch's, however the tokens are spread.
+        Both are tensors on the device. Each summed loss is divided by the token count
+        of *all* micro-batches, so the accumulated gradient is exactly one big batch's,
+        however the tokens are spread.
         """
         batches = [
             (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
             for x, y in micro_batches
         ]
         world_size = _world_size()
-        # 1. count: a tensor on the device, so no sync; summed over ranks when distributed.
+        # 1. count on the device (no sync); summed over ranks when distributed.
         target_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
         if world_size > 1:
             dist.all_reduce(target_tokens, op=dist.ReduceOp.SUM)
@@ -270,8 +281,9 @@ class Trainer:
                     )
                     / target_tokens
                 )
-                # 3. backward; gradients add up in .grad across micro-batches. DDP/FSDP average
-                #    over ranks, so times world_size gives the sum: the global mean's gradient.
+                # 3. backward; gradients add up in .grad across micro-batches.
+                #    DDP/FSDP average over ranks, so times world_size gives the sum:
+                #    the global mean's gradient.
                 self.scaler.scale(loss * world_size).backward()
             step_loss += loss.detach()
         if world_size > 1:  # each rank holds its share of the global mean
@@ -279,9 +291,11 @@ class Trainer:
         return step_loss, target_tokens
 
     def clip_gradients(self) -> Tensor:
-        """Part 4: unscale (fp16: a scaled norm is ``scale`` times too large), then clip; returns the norm before.
+        """Part 4: unscale, then clip; returns the norm before clipping.
 
-        Without ``max_grad_norm`` the clip is at infinity (a multiplication by exactly 1.0).
+        Unscaling comes first: in fp16 a scaled norm is ``scale`` times too large.
+        Without ``max_grad_norm`` the clip is at infinity (a multiplication by
+        exactly 1.0).
         """
         self.scaler.unscale_(self.optimizer)
         parameters = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -293,8 +307,10 @@ class Trainer:
         return norm.detach()
 
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
-        """One optimizer step over ``micro_batches`` (usually ``accum_steps``); a step the fp16 scaler skips counts
-        in ``skipped_steps``, not ``step``."""
+        """One optimizer step over ``micro_batches`` (usually ``accum_steps``).
+
+        A step the fp16 scaler skips counts in ``skipped_steps``, not ``step``.
+        """
         if len(micro_batches) == 0:
             raise ValueError("Trainer.train_step: got no micro-batches")
         # fp16: GradScaler halves its scale exactly when it skips a step. Reading it is
@@ -303,7 +319,7 @@ class Trainer:
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
         step_loss, target_tokens = self.accumulate_gradients(micro_batches)
         grad_norm = self.clip_gradients()
-        # fp32, bf16 (nothing skips): the first step with a NaN or inf norm, kept on the device
+        # fp32, bf16 (nothing skips): the first step with a NaN or inf norm, on device
         if scale_before is None:
             first = (self._nonfinite_step == 0) & ~grad_norm.isfinite()
             self._nonfinite_step.masked_fill_(first, self.step + 1)
@@ -313,9 +329,9 @@ class Trainer:
             lr = set_learning_rate(self.optimizer, self.step, self.config)
         else:
             lr = float(self.optimizer.param_groups[0]["lr"])
-        # 6. step (skipped by the scaler if an fp16 gradient is inf/nan), then update the scale.
-        #    The book's fused AdamW takes the scaler's inf check on the device: no
-        #    .item() in scaler.step.
+        # 6. step (skipped by the scaler if an fp16 gradient is inf/nan), then update
+        #    the scale. The book's fused AdamW takes the scaler's inf check on the
+        #    device: no .item() in scaler.step.
         self.scaler.step(self.optimizer)
         self.scaler.update()
         # 7. zero: None instead of a tensor of zeros; the next backward writes instead
@@ -335,7 +351,7 @@ class Trainer:
         return result
 
     def _skipped(self, scale_before: float) -> bool:
-        """Whether the fp16 scaler skipped this step (a sync); stop when it skips on and on."""
+        """Whether the scaler skipped this step (a sync); raise if it keeps skipping."""
         scale = self.scaler.get_scale()
         skipped = scale < scale_before or scale == 0
         self._skips_in_a_row = self._skips_in_a_row + 1 if skipped else 0
@@ -348,8 +364,11 @@ class Trainer:
         return skipped
 
     def log(self) -> dict | None:
-        """Read the steps since the last row to the host (a sync) and append a row (None: no step since);
-        a NaN or inf raises ``NonFiniteLossError`` naming its step."""
+        """Read the steps since the last row to the host (a sync) and append a row.
+
+        Returns the row, or None when no step was taken since the last one. A NaN or
+        inf raises ``NonFiniteLossError`` naming its step.
+        """
         steps = self._unlogged
         if not steps:
             return None
@@ -372,7 +391,7 @@ class Trainer:
         return row
 
     def _check_finite(self) -> None:
-        """Raise ``NonFiniteLossError`` if a step had a NaN or inf gradient norm (one sync)."""
+        """Raise ``NonFiniteLossError`` if a step had a NaN or inf norm (one sync)."""
         bad = int(self._nonfinite_step.item())
         if bad:
             step = next(step for step in self._unlogged if step.step == bad)
@@ -383,8 +402,11 @@ class Trainer:
             )
 
     def state_dict(self) -> dict:
-        """Everything needed to continue this run exactly, as tensors and plain values (``TrainerState``'s fields).
-        Like ``nn.Module.state_dict`` it holds live tensors: save or clone it before training on."""
+        """Everything needed to continue this run exactly (``TrainerState``'s fields).
+
+        Tensors and plain values. Like ``nn.Module.state_dict`` it holds live tensors:
+        save or clone it before training on.
+        """
         self._check_finite()  # never save the update of a non-finite step
         return {
             "model": unwrap_model(self.model).state_dict(),
@@ -400,8 +422,11 @@ class Trainer:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` returned, parsed whole first: on a ``ValueError`` nothing has changed.
-        The Trainer's own optimizer takes ``config``'s rates, betas and decay; a passed one stays as saved."""
+        """Restore what ``state_dict`` returned, parsed whole first.
+
+        On a ``ValueError`` nothing has changed. The Trainer's own optimizer takes
+        ``config``'s rates, betas and decay; a passed one stays as saved.
+        """
         state = parse_trainer_state(state, self)
         unwrap_model(self.model).load_state_dict(state.model, strict=True)
         load_optimizer_state(self.optimizer, state.optimizer)
@@ -416,8 +441,11 @@ class Trainer:
             apply_config(self.optimizer, self.config)
 
     def add_val_loss(self, val_batches: Iterable[Batch]) -> float:
-        """Write the row of the steps so far, add their ``val_loss`` (``evaluate``) to it, and return it.
-        The evaluation's time is left out of the next row's ``tokens_per_second``."""
+        """Write the row of the steps so far and add their ``val_loss`` to it.
+
+        Returns ``val_loss`` (``evaluate``'s). The evaluation's time is left out of the
+        next row's ``tokens_per_second``.
+        """
         if self.log() is None and not self.history:
             raise ValueError("Trainer.add_val_loss: no step has been taken yet")
         val_loss = evaluate(self.model, val_batches, self.device, self.config.precision)
@@ -433,7 +461,10 @@ def evaluate(
     device: torch.device,
     precision: str = "fp32",
 ) -> float:
-    """Mean loss per target token over ``batches``, in eval mode (no dropout), one sync at the end."""
+    """Mean loss per target token over ``batches``, in eval mode (no dropout).
+
+    One sync, at the end.
+    """
     was_training = model.training
     model.eval()
     total_loss = torch.zeros((), device=device)
@@ -449,11 +480,13 @@ def evaluate(
 
 
 def parse_trainer_state(state: Mapping[str, Any], trainer: Trainer) -> TrainerState:
-    """``state`` as a ``TrainerState`` that ``trainer`` applies without failing half-way, or a ``ValueError``.
+    """``state`` as a ``TrainerState`` that ``trainer`` applies, or a ``ValueError``.
 
-    Checked: exactly ``TrainerState``'s fields; the model's keys, shapes and dtypes; the optimizer's layout;
-    loss scaling and a scheduler on or off as in ``trainer``; the other fields by type. The values inside (a
-    moment's numbers) are the file's: see the trust model in ``torchbook.checkpoint``.
+    Applying the result cannot fail half-way. Checked: exactly ``TrainerState``'s
+    fields; the model's keys, shapes and dtypes; the optimizer's layout; loss scaling
+    and a scheduler on or off as in ``trainer``; the other fields by type. The values
+    inside (a moment's numbers) are the file's: see the trust model in
+    ``torchbook.checkpoint``.
     """
     names = [field.name for field in dataclasses.fields(TrainerState)]
     if not isinstance(state, Mapping) or set(state) != set(names):
@@ -476,7 +509,8 @@ def parse_trainer_state(state: Mapping[str, Any], trainer: Trainer) -> TrainerSt
         for key in ("step", "skipped_steps")
         if type(state[key]) is not int or state[key] < 0
     ]
-    # Copies, on this trainer's device: applying them cannot fail, and shares nothing with `state`.
+    # Copies, on this trainer's device: applying them cannot fail, and shares nothing
+    # with `state`.
     try:
         tensors = ("loss", "grad_norm", "target_tokens")
         parsed = {

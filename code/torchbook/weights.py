@@ -1,4 +1,4 @@
-"""Publishing weights: safetensors files, tied weights, a sharded index, loading on the meta device.
+"""Publishing weights: safetensors, tied weights, a sharded index, the meta device.
 
 A safetensors file is an 8-byte header length, a JSON header (each tensor's
 dtype, shape and byte range) and the raw bytes: loading it runs no code, and
@@ -48,14 +48,17 @@ from torchbook.state_dicts import (
 )
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-# Metadata key of files written by earlier versions of this module (aliases as JSON); still read.
+# Key of aliases (as JSON) in files from this module's earlier versions; still read.
 LEGACY_ALIASES_KEY = "torchbook.aliases"
 
-# --------------------------------------------------------------------------- state dicts
+# ------------------------------------------------------------ state dicts
 
 
 def _share_tied(state_dict: dict[str, torch.Tensor], ties: Iterable[list[str]]) -> None:
-    """Give each name of a tie group that ``state_dict`` lacks the tensor of one it holds (stored once, as safetensors does)."""
+    """Give each tied name missing from ``state_dict`` the tensor of one it holds.
+
+    A tied tensor is stored once, as safetensors does.
+    """
     for names in ties:
         present = [name for name in names if name in state_dict]
         for name in names:
@@ -66,12 +69,13 @@ def _share_tied(state_dict: dict[str, torch.Tensor], ties: Iterable[list[str]]) 
 def drop_shared(
     state_dict: Mapping[str, torch.Tensor],
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Keep one name per shared tensor (the first in sorted order, as ``save_model``); return tensors and ``{dropped: kept}``.
+    """Keep one name per shared tensor; return the tensors and ``{dropped: kept}``.
 
-    A tied embedding and output head appear in ``state_dict`` under two names
-    for one tensor. ``torch.save`` keeps the sharing; safetensors stores each
-    name's bytes separately and refuses shared memory. Tensors that share
-    memory but are different views of it cannot be stored once: refused.
+    The name kept is the first in sorted order, as in ``save_model``. A tied embedding
+    and output head appear in ``state_dict`` under two names for one tensor.
+    ``torch.save`` keeps the sharing; safetensors stores each name's bytes separately
+    and refuses shared memory. Tensors that share memory but are different views of it
+    cannot be stored once: refused.
     """
     by_storage: dict[int, list[str]] = {}
     for name, tensor in state_dict.items():
@@ -132,7 +136,7 @@ def _write_safetensors(
         ) from error
 
 
-# --------------------------------------------------------------------------- one file
+# ------------------------------------------------------------ one file
 
 
 def save_safetensors(
@@ -140,7 +144,7 @@ def save_safetensors(
     path: str | Path,
     metadata: Mapping[str, str] | None = None,
 ) -> Path:
-    """Export weights to one safetensors file, atomically, each tied tensor once (as ``save_model``)."""
+    """Export weights to one safetensors file, atomically, each tied tensor once."""
     tensors, aliases = _to_publish(model_or_state_dict, Path(path))
     header = {str(key): str(value) for key, value in (metadata or {}).items()}
     clash = sorted(set(header) & (set(tensors) | set(aliases)))
@@ -155,7 +159,7 @@ def save_safetensors(
 def _aliases(
     metadata: Mapping[str, str], stored: set[str], source: Path
 ) -> dict[str, str]:
-    """``{dropped: kept}`` from a file's metadata: ``save_model``'s entries, or the legacy JSON key, checked."""
+    """``{dropped: kept}`` from ``save_model``'s metadata or the legacy key, checked."""
     aliases = {
         name: kept
         for name, kept in metadata.items()
@@ -198,7 +202,10 @@ def _open(path: Path, device: str = "cpu"):
 def read_safetensors(
     path: str | Path, *, names: Iterable[str] | None = None, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """Read a safetensors file (all tensors, or only ``names``) with ``safe_open``; tied names share one tensor again."""
+    """Read all tensors, or only ``names``, of a safetensors file with ``safe_open``.
+
+    Tied names share one tensor again.
+    """
     path = Path(path)
     with _open(path, device) as handle:
         stored = set(handle.keys())
@@ -222,7 +229,10 @@ def read_safetensors(
 
 
 def load_safetensors(model: nn.Module, path: str | Path) -> nn.Module:
-    """Load a safetensors file (or a sharded folder / its index) into ``model``, checked first, ties kept."""
+    """Load safetensors weights into ``model``, checked first, ties kept.
+
+    ``path`` is one file, a sharded folder or its index.
+    """
     path = Path(path)
     sharded = path.is_dir() or path.suffix == ".json"
     state_dict = read_sharded_safetensors(path) if sharded else read_safetensors(path)
@@ -237,7 +247,7 @@ def load_safetensors(model: nn.Module, path: str | Path) -> nn.Module:
     return model
 
 
-# --------------------------------------------------------------------------- sharded
+# ------------------------------------------------------------ sharded
 
 
 def save_sharded_safetensors(
@@ -245,11 +255,12 @@ def save_sharded_safetensors(
     folder: str | Path,
     max_shard_bytes: int,
 ) -> Path:
-    """Split weights into ``model-0000i-of-0000n.safetensors`` files plus ``model.safetensors.index.json``.
+    """Save weights as ``model-0000i-of-0000n.safetensors`` shards and their index.
 
-    Each shard holds whole tensors, so one larger than ``max_shard_bytes`` gets a
-    shard of its own; a tied name is recorded in the metadata of the shard that
-    holds its tensor. The index is written last: until it exists, no shard set is complete.
+    Each shard holds whole tensors, so one larger than ``max_shard_bytes`` gets a shard
+    of its own; a tied name is recorded in the metadata of the shard that holds its
+    tensor. The index, ``model.safetensors.index.json``, is written last: until it
+    exists, no shard set is complete.
     """
     tensors, aliases = _to_publish(model_or_state_dict, Path(folder))
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -279,7 +290,10 @@ def save_sharded_safetensors(
 
 
 def read_index(folder_or_index: str | Path) -> tuple[Path, dict[str, str]]:
-    """The index file and its ``weight_map``, every field checked: a CheckpointError names the file and the field."""
+    """The index file and its ``weight_map``, every field checked.
+
+    A CheckpointError names the file and the field.
+    """
     index_path = Path(folder_or_index)
     if index_path.is_dir():
         index_path = index_path / SAFETENSORS_INDEX
@@ -321,7 +335,7 @@ def read_index(folder_or_index: str | Path) -> tuple[Path, dict[str, str]]:
 def read_sharded_safetensors(
     folder_or_index: str | Path, names: Iterable[str] | None = None
 ) -> dict[str, torch.Tensor]:
-    """Read the tensors of a sharded checkpoint (all, or only ``names``), opening only the shards that hold them."""
+    """Read a sharded checkpoint's tensors (all or ``names``) from only their shards."""
     index_path, weight_map = read_index(folder_or_index)
     files = list(dict.fromkeys(weight_map.values()))
     if names is None:
@@ -332,7 +346,8 @@ def read_sharded_safetensors(
     wanted = list(names)
     where = dict(weight_map)
     if any(name not in where for name in wanted):
-        # A tied name has no bytes of its own: it is in the metadata of the shard holding its tensor.
+        # A tied name has no bytes of its own: it is in the metadata of the shard
+        # holding its tensor.
         for filename in files:
             with _open(index_path.parent / filename) as handle:  # reads the header only
                 links = _aliases(
@@ -361,11 +376,11 @@ def read_sharded_safetensors(
     return {name: found[name] for name in wanted}
 
 
-# --------------------------------------------------------------------------- big models: the meta device
+# ------------------------------------------------------------ big models, meta device
 
 
 def meta_tensors(model: nn.Module) -> list[str]:
-    """Names of the parameters and buffers of ``model`` that are on the meta device (have no values)."""
+    """Names of ``model``'s parameters and buffers on the meta device (no values)."""
     return [
         name
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]
@@ -379,7 +394,7 @@ def load_on_meta(
     source: str | Path,
     init_buffers: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
-    """Build a model without initialising it, adopt the checkpoint's tensors, then fill the buffers it does not hold.
+    """Build a model on meta, adopt the checkpoint's tensors, fill the buffers it lacks.
 
     Under ``torch.device("meta")`` parameters and buffers have shapes but no
     memory, so no random initialisation is computed and thrown away and memory
