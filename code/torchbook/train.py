@@ -61,10 +61,7 @@ class NonFiniteLossError(RuntimeError):
 
 @dataclass
 class TrainConfig(OptimizerConfig):
-    """Everything the loop needs besides the model and the data.
-
-    The first six fields, ``OptimizerConfig``'s, make the optimizer and the schedule.
-    """
+    """The loop's settings; the first six, ``OptimizerConfig``'s, make the optimizer."""
 
     accum_steps: int = 1  # micro-batches per optimizer step
     # clip the total gradient norm to this; None: no clipping
@@ -96,11 +93,7 @@ class TrainConfig(OptimizerConfig):
 
 @dataclass
 class StepResult:
-    """One optimizer step's numbers, as ``train_step`` returns them.
-
-    The tensors stay on the device until ``log`` reads the steps since the last
-    history row all at once (one sync).
-    """
+    """One step's numbers; the tensors stay on the device until ``log`` reads them."""
 
     step: int  # the step count after this step (unchanged when it was skipped)
     lr: float  # the learning rate this step used
@@ -113,10 +106,7 @@ class StepResult:
 
 @dataclass
 class TrainerState:
-    """A saved ``Trainer.state_dict()``, parsed and checked against a trainer.
-
-    Loading it cannot fail half-way.
-    """
+    """A ``Trainer.state_dict()``, checked: loading it cannot fail half-way."""
 
     model: dict[str, Tensor]  # keys, shapes and dtypes checked
     optimizer: dict[str, Any]  # layout checked: groups, parameters, moment shapes
@@ -214,11 +204,8 @@ def _gradient_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextMa
 class Trainer:
     """Trains ``model`` with clipping, mixed precision and a learning-rate schedule.
 
-    ``model`` maps inputs to logits. ``optimizer`` defaults to ``build_adamw``'s, and
-    before each step the Trainer writes ``learning_rate(step, config)`` into it,
-    unless a ``scheduler`` comes with the optimizer. ``step`` counts optimizer steps
-    (fp16 steps the scaler skipped: ``skipped_steps``); ``history`` has a row per
-    logged step: step, loss, lr, grad_norm, tokens_per_second.
+    The optimizer defaults to ``build_adamw``'s, its rate set by ``learning_rate``
+    unless a ``scheduler`` comes with it. ``history``: a row per ``log_every`` steps.
     """
 
     def __init__(
@@ -253,11 +240,9 @@ class Trainer:
     def accumulate_gradients(
         self, micro_batches: Sequence[Batch]
     ) -> tuple[Tensor, Tensor]:
-        """Parts 1-3 over ``micro_batches``; returns the mean loss and target tokens.
+        """Parts 1-3: the step's mean loss and target tokens, as device tensors.
 
-        Both are tensors on the device. Each summed loss is divided by the token count
-        of *all* micro-batches, so the accumulated gradient is exactly one big batch's,
-        however the tokens are spread.
+        Dividing by *all* micro-batches' tokens makes the gradient one big batch's.
         """
         batches = [
             (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
@@ -291,14 +276,10 @@ class Trainer:
         return step_loss, target_tokens
 
     def clip_gradients(self) -> Tensor:
-        """Part 4: unscale, then clip; returns the norm before clipping.
-
-        Unscaling comes first: in fp16 a scaled norm is ``scale`` times too large.
-        Without ``max_grad_norm`` the clip is at infinity (a multiplication by
-        exactly 1.0).
-        """
+        """Part 4: unscale (a scaled norm is too large), clip; the unclipped norm."""
         self.scaler.unscale_(self.optimizer)
         parameters = [p for g in self.optimizer.param_groups for p in g["params"]]
+        # None clips at infinity: a multiplication by exactly 1.0
         norm = torch.nn.utils.clip_grad_norm_(
             parameters, self.config.max_grad_norm or math.inf
         )
@@ -307,10 +288,7 @@ class Trainer:
         return norm.detach()
 
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
-        """One optimizer step over ``micro_batches`` (usually ``accum_steps``).
-
-        A step the fp16 scaler skips counts in ``skipped_steps``, not ``step``.
-        """
+        """One optimizer step; one the fp16 scaler skips counts in ``skipped_steps``."""
         if len(micro_batches) == 0:
             raise ValueError("Trainer.train_step: got no micro-batches")
         # fp16: GradScaler halves its scale exactly when it skips a step. Reading it is
@@ -364,10 +342,9 @@ class Trainer:
         return skipped
 
     def log(self) -> dict | None:
-        """Read the steps since the last row to the host (a sync) and append a row.
+        """Read the steps since the last row (a sync) into a row; None if none.
 
-        Returns the row, or None when no step was taken since the last one. A NaN or
-        inf raises ``NonFiniteLossError`` naming its step.
+        A NaN or inf raises ``NonFiniteLossError`` naming its step.
         """
         steps = self._unlogged
         if not steps:
@@ -402,11 +379,7 @@ class Trainer:
             )
 
     def state_dict(self) -> dict:
-        """Everything needed to continue this run exactly (``TrainerState``'s fields).
-
-        Tensors and plain values. Like ``nn.Module.state_dict`` it holds live tensors:
-        save or clone it before training on.
-        """
+        """What continues this run exactly; live tensors: save it before training on."""
         self._check_finite()  # never save the update of a non-finite step
         return {
             "model": unwrap_model(self.model).state_dict(),
@@ -422,11 +395,7 @@ class Trainer:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` returned, parsed whole first.
-
-        On a ``ValueError`` nothing has changed. The Trainer's own optimizer takes
-        ``config``'s rates, betas and decay; a passed one stays as saved.
-        """
+        """Restore a ``state_dict``, parsed first: a ``ValueError`` changes nothing."""
         state = parse_trainer_state(state, self)
         unwrap_model(self.model).load_state_dict(state.model, strict=True)
         load_optimizer_state(self.optimizer, state.optimizer)
@@ -437,20 +406,16 @@ class Trainer:
         self.step, self.skipped_steps = state.step, state.skipped_steps
         self.history, self._unlogged = state.history, state.unlogged
         self._interval_started = time.perf_counter() - state.seconds_since_log
-        if self.owns_optimizer:
+        if self.owns_optimizer:  # its own takes config's rates; a passed one stays
             apply_config(self.optimizer, self.config)
 
     def add_val_loss(self, val_batches: Iterable[Batch]) -> float:
-        """Write the row of the steps so far and add their ``val_loss`` to it.
-
-        Returns ``val_loss`` (``evaluate``'s). The evaluation's time is left out of the
-        next row's ``tokens_per_second``.
-        """
+        """Log the steps so far and add ``evaluate``'s ``val_loss`` to the row."""
         if self.log() is None and not self.history:
             raise ValueError("Trainer.add_val_loss: no step has been taken yet")
         val_loss = evaluate(self.model, val_batches, self.device, self.config.precision)
         self.history[-1]["val_loss"] = val_loss
-        self._interval_started = time.perf_counter()
+        self._interval_started = time.perf_counter()  # the evaluation is not counted
         return val_loss
 
 
@@ -461,10 +426,7 @@ def evaluate(
     device: torch.device,
     precision: str = "fp32",
 ) -> float:
-    """Mean loss per target token over ``batches``, in eval mode (no dropout).
-
-    One sync, at the end.
-    """
+    """Mean loss per target token of ``batches``, in eval mode, with one sync."""
     was_training = model.training
     model.eval()
     total_loss = torch.zeros((), device=device)
