@@ -63,6 +63,17 @@ def test_the_package_docstring_lists_every_module():
     assert not unlisted, f"torchbook/__init__.py does not describe {unlisted}"
 
 
+# A module a reader can read in one sitting; ruff's formatter (make test) keeps the
+# lines honest, so a shorter module is a cut one, never a packed one.
+MAX_MODULE_LINES = 500
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_a_module_stays_within_the_lines_a_reader_reads_at_once(module):
+    lines = len((PACKAGE / f"{module}.py").read_text().splitlines())
+    assert lines <= MAX_MODULE_LINES, f"torchbook/{module}.py has {lines} lines"
+
+
 def declared_closure(module: str) -> set[str]:
     """``module``, the modules it builds on, transitively, and the helpers they import.
 
