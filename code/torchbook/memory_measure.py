@@ -12,7 +12,8 @@ the names of the two loops it runs (no formula).
   ``respect_saved_tensors_hooks=True``, what selective checkpointing keeps);
 - ``peak_bytes``: the most bytes a step allocates at once, from the
   allocator's own records;
-- ``ddp_bucket_bytes``: what DistributedDataParallel keeps on two CPU ranks;
+- ``ddp_bucket_bytes``: what DistributedDataParallel keeps on two CPU ranks, with
+  ``keep_bucket``, a communication hook that records its buckets;
 - ``growing_batch``: what CUDA's caching allocator reserves when a step's
   tensors double in size.
 """
@@ -219,8 +220,12 @@ def growing_batch(device: str = "cuda") -> tuple[int, int]:
 
 # No annotations: DDP checks them against its own types, and this module's
 # annotations are strings (from __future__ import annotations).
-def _bucket_unchanged(state, bucket):
-    """A DDP communication hook that sends nothing: the bucket as it is."""
+def keep_bucket(buckets, bucket):
+    """A DDP communication hook: records its bucket in ``buckets``, sends nothing.
+
+    The bucket comes back as it is: the bytes DDP keeps, without communication.
+    """
+    buckets.append(bucket.buffer())
     done = torch.futures.Future()
     done.set_result(bucket.buffer())
     return done
@@ -241,7 +246,7 @@ def _ddp_bytes(model: nn.Module, idx: torch.Tensor, bucket_view: bool) -> str:
             )
         )
     )
-    ddp[0].register_comm_hook(None, _bucket_unchanged)
+    ddp[0].register_comm_hook([], keep_bucket)
     backward = allocation_totals(
         lambda: training_loss(ddp[0], idx, idx.roll(-1, 1), "fp32").backward()
     )
