@@ -225,7 +225,7 @@ def run_compile(
     return path
 
 
-# ----- the lab: chapter 8's seven drills at the profile's sizes -----
+# ----- the lab: chapter 9's seven drills at the profile's sizes -----
 
 LAB_SOURCES = (
     "code/torchbook/lab.py",

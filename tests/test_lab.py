@@ -1,6 +1,6 @@
 """The lab's shared pieces and its drill runners (torchbook.lab).
 
-The drills themselves run in chapter 8; ``make gpu-results`` reruns them at
+The drills themselves run in chapter 9; ``make gpu-results`` reruns them at
 the gpu profile's sizes through the functions tested here.
 """
 

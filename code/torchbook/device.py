@@ -26,6 +26,16 @@ AUTOCAST_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def autocast(device_type: str, precision: str) -> torch.autocast:
+    """Autocast to ``precision``'s dtype on ``device_type``; ``"fp32"`` turns it off.
+
+    The one spelling of the block every forward pass under a precision opens.
+    """
+    return torch.autocast(
+        device_type, dtype=AUTOCAST_DTYPES[precision], enabled=precision != "fp32"
+    )
+
+
 def accelerator() -> torch.device | None:
     """The accelerator this machine has (CUDA first, then MPS), or None."""
     if torch.cuda.is_available():
@@ -39,8 +49,10 @@ def accelerator() -> torch.device | None:
 def hardware_name(device: torch.device) -> str:
     """The hardware behind ``device`` in words: a timing means little without it.
 
-    A CPU is named by its vector instructions (``get_cpu_capability``: avx2,
-    avx512, ...), which decide how fast it computes in bf16, and its threads.
+    A CPU is named by the vector instructions PyTorch's kernels use
+    (``get_cpu_capability``: avx2, avx512, ...), which decide how fast it computes
+    in bf16, and its threads. Where those kernels are capped below what the CPU
+    has (``ATEN_CPU_CAPABILITY``), both are named.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -49,8 +61,26 @@ def hardware_name(device: torch.device) -> str:
         return f"Apple MPS ({platform.machine()})"
     threads = torch.get_num_threads()
     plural = "s" if threads > 1 else ""
-    capability = torch.backends.cpu.get_cpu_capability()
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    native = _native_cpu_capability()
+    if native is not None and native != capability:
+        capability = f"{capability} kernels on an {native} CPU"
     return f"{platform.machine()} CPU ({capability}, {threads} thread{plural})"
+
+
+def _native_cpu_capability() -> str | None:
+    """The CPU's own widest vector extension, read from the CPU, not from ATen."""
+    checks = [
+        ("amx", "_is_amx_tile_supported"),
+        ("avx512_bf16", "_is_avx512_bf16_supported"),
+        ("avx512", "_is_avx512_supported"),
+        ("avx2", "_is_avx2_supported"),
+    ]
+    for name, check in checks:
+        supported = getattr(torch.cpu, check, None)
+        if supported is not None and supported():
+            return name
+    return None
 
 
 def synchronize(device: torch.device) -> None:

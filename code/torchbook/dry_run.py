@@ -157,7 +157,7 @@ def formulas(
 
 
 def lab_step(profile: Profile) -> GpuStep:
-    """Chapter 8's step: one batch of the lab's epoch, the MLP in float32."""
+    """Chapter 9's step: one batch of the lab's epoch, the MLP in float32."""
     sizes = profile.lab
 
     def build() -> Built:
