@@ -158,6 +158,7 @@ from torchbook.diagrams import (  # noqa: E402
     plot_broadcasting,
     plot_memory_layout,
     plot_module_tree,
+    show_error,
     storage_positions,
 )
 
@@ -371,3 +372,22 @@ def test_module_tree_legend_lists_only_the_kinds_drawn(close_figures):
     }
     assert legend_of["buffers"] == {"parameter (trained, saved)", "buffer, not saved"}
     assert "buffer, saved" in legend_of["mixed"]
+
+
+def test_show_error_names_the_type_and_wraps_long_messages_to_the_page(capsys):
+    words = " ".join(f"word{i}" for i in range(40))  # about 280 characters
+    show_error(ValueError(words))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) > 1 and all(len(line) <= 88 for line in lines)
+    assert lines[0].startswith("ValueError: word0 ")
+    assert all(line.startswith("    word") for line in lines[1:])
+    # nothing lost or reordered by the wrapping
+    assert " ".join(" ".join(lines).split()) == f"ValueError: {words}"
+
+
+def test_show_error_keeps_the_line_breaks_of_a_message_of_several_lines(capsys):
+    show_error(RuntimeError("Error(s) in loading state_dict:\n\tMissing key(s): w"))
+    assert capsys.readouterr().out.splitlines() == [
+        "RuntimeError: Error(s) in loading state_dict:",
+        "        Missing key(s): w",
+    ]

@@ -5,10 +5,14 @@ their own cells, so a picture stays true when the code changes. Shapes,
 strides and registries are read through the objects' own methods
 (``stride()``, ``named_parameters()``, ...), so this module needs only
 matplotlib, and torch only for type hints.
+
+``show_error`` is the text counterpart: chapters that provoke an error on
+purpose print it with this one helper, so every such message reads alike.
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -27,6 +31,19 @@ SAVED_BUFFER_COLOUR = "tab:brown"
 # a size-1 or missing dimension that broadcasting stretches
 STRETCHED_COLOUR = "#fdd9a0"
 KEPT_COLOUR = "#cfe3f5"  # a dimension whose size is already the result's
+PAGE_WIDTH = 88  # columns of a printed line, as the book's code is formatted
+
+
+def show_error(error: Exception) -> None:
+    """Print ``TypeName: message``, each line wrapped to the page's 88 columns.
+
+    A chapter shows the real message a mistake provokes; wrapping keeps a long one
+    readable in HTML and PDF, and a message of several lines (``load_state_dict``
+    lists its missing keys one per line) keeps its own line breaks.
+    """
+    message = f"{type(error).__name__}: {error}"
+    for line in message.splitlines() or [""]:
+        print(textwrap.fill(line, PAGE_WIDTH, subsequent_indent="    "))
 
 
 def storage_positions(
