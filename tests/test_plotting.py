@@ -154,7 +154,6 @@ from torchbook.diagrams import (  # noqa: E402
     PARAMETER_COLOUR,
     SAVED_BUFFER_COLOUR,
     STRETCHED_COLOUR,
-    broadcast_shape,
     plot_broadcasting,
     plot_memory_layout,
     plot_module_tree,
@@ -231,23 +230,10 @@ def test_memory_layout_refuses_four_dimensions_naming_the_tensor(close_figures):
         plot_memory_layout({"big": torch.zeros(1, 1, 1, 1)})
 
 
-@pytest.mark.parametrize(
-    "shapes",
-    [
-        ((4, 4), (2, 2, 4, 4)),
-        ((8,), (2, 4, 8)),
-        ((2, 4, 1), (2, 4, 8)),
-        ((3, 1), (1, 5)),
-        ((1,), ()),
-    ],
-)
-def test_broadcast_shape_agrees_with_torch(shapes):
-    assert broadcast_shape(*shapes) == tuple(torch.broadcast_shapes(*shapes))
-
-
-def test_broadcast_shape_refuses_sizes_that_differ_naming_the_dimension():
-    with pytest.raises(ValueError, match="sizes \\[3, 4\\] in dimension -1"):
-        broadcast_shape((2, 3), (4,))
+def test_broadcasting_picture_refuses_shapes_that_do_not_broadcast(close_figures):
+    # torch.broadcast_shapes' own error, naming the size and dimension that clash
+    with pytest.raises(RuntimeError, match="dimension of length 4 at -1"):
+        plot_broadcasting({"clash": [("a", (2, 3)), ("b", (4,))]})
 
 
 def test_broadcasting_picture_marks_stretched_dimensions_and_the_result(close_figures):

@@ -3,8 +3,9 @@
 Chapters 1 and 2 draw these from the tensors, modules and measurements of
 their own cells, so a picture stays true when the code changes. Shapes,
 strides and registries are read through the objects' own methods
-(``stride()``, ``named_parameters()``, ...), so this module needs only
-matplotlib, and torch only for type hints.
+(``stride()``, ``named_parameters()``, ...); besides matplotlib, the module
+calls torch only for ``torch.broadcast_shapes``, so the broadcasting picture
+draws the result shape torch itself computes.
 
 ``show_error`` is the text counterpart: chapters that provoke an error on
 purpose print it with this one helper, so every such message reads alike.
@@ -14,15 +15,11 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
+import torch
 from matplotlib.figure import Figure
-
-# type hints only: tensors and modules are read through their own methods
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
+from torch import nn
 
 # Colours shared by the pictures below: what is trained, what is only carried.
 PARAMETER_COLOUR = "tab:blue"
@@ -157,20 +154,6 @@ def plot_memory_layout(
     return figure
 
 
-def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...]:
-    """The shape broadcasting ``shapes`` gives: right-aligned, size 1 stretches."""
-    result: list[int] = []
-    for dim in range(1, max(map(len, shapes)) + 1):
-        sizes = {shape[-dim] for shape in shapes if len(shape) >= dim} - {1}
-        if len(sizes) > 1:
-            raise ValueError(
-                f"broadcast_shape: sizes {sorted(sizes)} in dimension {-dim} of shapes "
-                f"{[tuple(s) for s in shapes]} are neither equal nor 1"
-            )
-        result.insert(0, sizes.pop() if sizes else 1)
-    return tuple(result)
-
-
 def plot_broadcasting(
     cases: Mapping[str, Sequence[tuple[str, Sequence[int]]]],
 ) -> Figure:
@@ -181,6 +164,8 @@ def plot_broadcasting(
     (counted from the right, as broadcasting counts). A dimension that is
     already the result's size is blue; a size-1 or missing one, which
     broadcasting stretches without copying, is orange and reads ``1→n`` or ``·→n``.
+    The result is ``torch.broadcast_shapes``', so shapes that do not broadcast
+    raise torch's own error.
     """
     figure, axes = plt.subplots(
         1,
@@ -190,7 +175,7 @@ def plot_broadcasting(
         squeeze=False,
     )
     for ax, (title, operands) in zip(axes[0], cases.items(), strict=True):
-        result = broadcast_shape(*(shape for _, shape in operands))
+        result = tuple(torch.broadcast_shapes(*(shape for _, shape in operands)))
         columns = len(result)
         rows = [*operands, ("result", result)]
         for row, (name, shape) in enumerate(rows):
