@@ -7,7 +7,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-QUARTO_MIN := 1.9
 
 .PHONY: book test data setup clean gpu-results
 
@@ -19,6 +18,8 @@ QUARTO_MIN := 1.9
 PROFILE ?= gpu
 RESULTS_DIR ?= assets/results
 DRY_RUN ?=
+# Tests run in parallel, one process per core, torch on one thread in each.
+PYTEST_WORKERS ?= auto
 
 setup: $(STAMP)
 
@@ -36,18 +37,14 @@ data: $(STAMP)
 test: data
 	$(PY) -m ruff format --check --quiet .
 	$(PY) -m ruff check --quiet .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
+# The Quarto on PATH if it is 1.9 or newer; else tools/find_quarto.py installs the pinned
+# quarto-cli into .venv (its build downloads Quarto, so that needs internet).
 book: data
-	@command -v quarto >/dev/null 2>&1 || { \
-	  echo "make book needs Quarto $(QUARTO_MIN) or newer on PATH, and it is not there."; \
-	  echo "Install it from https://quarto.org/docs/get-started/ or with 'pip install quarto-cli' (needs internet)."; \
-	  exit 1; }
-	@version=$$(quarto --version); \
-	if [ "$$(printf '%s\n%s\n' "$(QUARTO_MIN)" "$$version" | sort -V | head -n 1)" != "$(QUARTO_MIN)" ]; then \
-	  echo "make book needs Quarto $(QUARTO_MIN) or newer (books render their PDF with Typst from 1.9 on); found $$version."; \
-	  exit 1; fi
-	QUARTO_PYTHON=$(abspath $(PY)) quarto render
+	@quarto=$$($(PY) tools/find_quarto.py) || exit 1; \
+	echo "QUARTO_PYTHON=$(abspath $(PY)) $$quarto render"; \
+	QUARTO_PYTHON=$(abspath $(PY)) "$$quarto" render
 
 gpu-results: data
 	QUARTO_PROFILE=$(PROFILE) $(PY) examples/gpu_results.py --out $(RESULTS_DIR) $(if $(DRY_RUN),--dry-run)

@@ -15,9 +15,14 @@ float32 (on one thread of an AVX2 EPYC: 14 times for a transformer layer's step,
 50 times for a 512 x 512 matmul). A CPU with AVX512-BF16 or AMX would hide a
 chapter that takes minutes there, so ATen's own kernels, oneDNN's (bf16 matmuls
 on an AVX-512 CPU) and MKL's (float32 matmuls) are capped at AVX2, so no bf16
-instruction is used. On an AVX-512 CPU PyTorch still sends bf16 matmuls to
-oneDNN, whose AVX2 code then runs them; how its speed compares with PyTorch's
-own AVX2 path on a real laptop has not been measured here.
+instruction is used. Of the three variables, ONEDNN_MAX_CPU_ISA=AVX2 is the one
+that makes bf16 slow: on an AVX512-BF16 EPYC, where a bf16 matmul natively runs
+faster than float32, that variable alone gave the whole slowdown the three give
+together, while ATEN_CPU_CAPABILITY or MKL_ENABLE_INSTRUCTIONS alone changed
+nothing measurable (``bench/cpu_bf16.py`` measures it). The other two are kept
+so that every kernel library runs the instructions a laptop has. How oneDNN's
+AVX2 code compares with PyTorch's own AVX2 path on a real laptop has not been
+measured here.
 ``python bench/cpu_bf16.py`` shows the effect side by side. Set
 ``BOOK_NATIVE_CPU=1`` to run on the CPU's full instruction set.
 """

@@ -267,3 +267,38 @@ def test_a_figure_cell_that_draws_nothing_fails(tmp_path):
     assert result.returncode == 1, result.stdout
     assert "labelled 'fig-empty' but produced no image" in result.stdout
     assert "1 failed, 1 passed" in result.stdout
+
+
+@pytest.mark.slow
+def test_chapter_times_are_cpu_seconds_and_reach_the_summary_under_xdist(tmp_path):
+    # A sleeping cell costs wall time but no CPU time: judged by CPU time, as if the
+    # chapter ran alone, a chapter that waits is not charged for the wait, and one
+    # that computes is. Two xdist workers: the times travel back to the main process.
+    result = run_chapter(
+        tmp_path,
+        """
+        ```{python}
+        import time
+        time.sleep(3)
+        ```
+
+        ```{python}
+        spent = time.process_time()
+        while time.process_time() - spent < 1.0:
+            pass
+        ```
+        """,
+        "-n",
+        "2",
+    )
+    assert result.returncode == 0, result.stdout
+    line = next(
+        (text for text in result.stdout.splitlines() if text.startswith("broken.qmd:")),
+        None,
+    )
+    assert line is not None, f"no chapter time in the summary:\n{result.stdout}"
+    cpu_s = float(line.split(":")[1].split("s CPU")[0])
+    wall_s = float(line.split("CPU,")[1].split("s wall")[0])
+    # at least the second cell's second of CPU; far less than the sleep's 3 s of wall
+    assert 1.0 <= cpu_s < 3.0, line
+    assert wall_s >= 3.0, line
