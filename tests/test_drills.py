@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
 import pytest
 import torch
 import torch.nn.functional as F
@@ -225,7 +226,7 @@ def test_command_writes_the_notebook_it_is_given(tmp_path):
         capture_output=True,
     )
     assert (
-        json.loads(target.read_text())["cells"]
+        nbformat.read(str(target), as_version=4)["cells"]
         == exercise_notebook(ROOT / SOURCE)["cells"]
     )
 

@@ -24,14 +24,21 @@ beside the page)::
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qmd_notebook import SETUP_CODE, SETUP_MARKDOWN, SETUP_TAG, QmdError  # noqa: E402
+from nbformat.v4 import new_code_cell, new_markdown_cell  # noqa: E402
+from qmd_notebook import (  # noqa: E402
+    SETUP_CODE,
+    SETUP_MARKDOWN,
+    SETUP_TAG,
+    QmdError,
+    new_notebook,
+    save_notebook,
+)
 
 SOURCE = Path("exercises/pytorch_drills.md")
 DEFAULT_TARGET = Path("chapters/pytorch_drills.ipynb")
@@ -101,44 +108,18 @@ def exercise_notebook(source: Path) -> dict:
     check_drills(cells, source)
     setup = {"tags": [SETUP_TAG]}
     notebook_cells = [
-        {"cell_type": "markdown", "metadata": dict(setup), "source": SETUP_MARKDOWN},
-        {
-            "cell_type": "code",
-            "metadata": dict(setup),
-            "source": SETUP_CODE,
-            "outputs": [],
-            "execution_count": None,
-        },
+        new_markdown_cell(SETUP_MARKDOWN, metadata=dict(setup)),
+        new_code_cell(SETUP_CODE, metadata=dict(setup)),
     ]
     for kind, text, line in cells:
-        cell = {"cell_type": kind, "metadata": {"source_line": line}, "source": text}
-        if kind == "code":
-            cell |= {"outputs": [], "execution_count": None}
-        notebook_cells.append(cell)
-    return {
-        "nbformat": 4,
-        "nbformat_minor": 5,
-        "metadata": {
-            "title": "pytorch_drills: the lab's exercises",
-            "kernelspec": {
-                "name": "python3",
-                "display_name": "Python 3",
-                "language": "python",
-            },
-            "language_info": {"name": "python"},
-        },
-        "cells": [{"id": f"cell-{i}", **cell} for i, cell in enumerate(notebook_cells)],
-    }
+        new_cell = new_code_cell if kind == "code" else new_markdown_cell
+        notebook_cells.append(new_cell(text, metadata={"source_line": line}))
+    return new_notebook(notebook_cells, "pytorch_drills: the lab's exercises")
 
 
 def write_exercise_notebook(project: Path, target: Path) -> Path:
     """Write the notebook built from ``project``'s exercise source to ``target``."""
-    notebook = exercise_notebook(project / SOURCE)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(
-        json.dumps(notebook, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
-    )
-    return target
+    return save_notebook(exercise_notebook(project / SOURCE), target)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,15 @@ malformed one raises ``QmdError`` naming the chapter and line.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import nbformat
 import yaml
+from nbformat.v4 import new_code_cell, new_markdown_cell
 
 EXECUTABLE_FENCE = re.compile(r"^(`{3,})\{python(?:[ ,][^}]*)?\}\s*$")
 ANY_FENCE = re.compile(r"^(`{3,}|~{3,})")
@@ -216,15 +217,33 @@ def _setup_cells() -> list[dict]:
     """The reader's opening cells: how to install the package, where the data goes."""
     metadata = {"tags": [SETUP_TAG]}
     return [
-        {"cell_type": "markdown", "metadata": dict(metadata), "source": SETUP_MARKDOWN},
-        {
-            "cell_type": "code",
-            "metadata": dict(metadata),
-            "source": SETUP_CODE,
-            "outputs": [],
-            "execution_count": None,
-        },
+        new_markdown_cell(SETUP_MARKDOWN, metadata=dict(metadata)),
+        new_code_cell(SETUP_CODE, metadata=dict(metadata)),
     ]
+
+
+def new_notebook(cells: list[dict], title: str) -> nbformat.NotebookNode:
+    """An nbformat-4 notebook of ``cells`` for a Python 3 kernel.
+
+    Cells are numbered ``cell-0``, ``cell-1``, ... instead of nbformat's random
+    ids, so that rendering the same chapter twice writes the same notebook.
+    """
+    for number, cell in enumerate(cells):
+        cell["id"] = f"cell-{number}"
+    kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    metadata = {
+        "title": title,
+        "kernelspec": kernelspec,
+        "language_info": {"name": "python"},
+    }
+    return nbformat.v4.new_notebook(cells=cells, metadata=metadata)
+
+
+def save_notebook(notebook: nbformat.NotebookNode, target: Path) -> Path:
+    """Write ``notebook`` to ``target``, creating its folder."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(notebook, str(target))
+    return target
 
 
 def _not_run_cell(cell: Cell) -> dict:
@@ -235,11 +254,10 @@ def _not_run_cell(cell: Cell) -> dict:
     fence = "`" * max(
         3, 1 + max((len(run) for run in re.findall(r"`+", body)), default=0)
     )
-    return {
-        "cell_type": "markdown",
-        "metadata": {"qmd_line": cell.line, "qmd_options": cell.options},
-        "source": f"{NOT_RUN_NOTE}\n\n{fence}python\n{body.strip()}\n{fence}",
-    }
+    return new_markdown_cell(
+        f"{NOT_RUN_NOTE}\n\n{fence}python\n{body.strip()}\n{fence}",
+        metadata={"qmd_line": cell.line, "qmd_options": cell.options},
+    )
 
 
 INCLUDE = re.compile(r"^\{\{< include (\S+) >\}\}$", re.MULTILINE)
@@ -277,7 +295,7 @@ def _expand_includes(cell: Cell, path: Path) -> str:
     return INCLUDE.sub(included, cell.source)
 
 
-def to_notebook(path: Path, for_tests: bool = False) -> dict:
+def to_notebook(path: Path, for_tests: bool = False) -> nbformat.NotebookNode:
     """Build an nbformat-4 notebook (as a dict) from a chapter.
 
     ``for_tests`` adds the inline-value cells and the nbval skip tags, and keeps
@@ -293,11 +311,7 @@ def to_notebook(path: Path, for_tests: bool = False) -> dict:
         metadata: dict = {"qmd_line": cell.line}
         if cell.kind == "markdown":
             notebook_cells.append(
-                {
-                    "cell_type": "markdown",
-                    "metadata": metadata,
-                    "source": _expand_includes(cell, path),
-                }
+                new_markdown_cell(_expand_includes(cell, path), metadata=metadata)
             )
             inline = _inline_value_cell(cell) if for_tests else None
             if inline is not None:
@@ -306,13 +320,7 @@ def to_notebook(path: Path, for_tests: bool = False) -> dict:
                         f"{path}:{cell.line}: inline `{{python}}` value before any code cell"
                     )
                 notebook_cells.append(
-                    {
-                        "cell_type": "code",
-                        "metadata": {"qmd_line": cell.line},
-                        "source": inline,
-                        "outputs": [],
-                        "execution_count": None,
-                    }
+                    new_code_cell(inline, metadata={"qmd_line": cell.line})
                 )
             continue
         seen_code = True
@@ -322,40 +330,13 @@ def to_notebook(path: Path, for_tests: bool = False) -> dict:
                 notebook_cells.append(_not_run_cell(cell))
                 continue
             metadata["tags"] = [SKIP_TAG]
-        notebook_cells.append(
-            {
-                "cell_type": "code",
-                "metadata": metadata,
-                "source": cell.source,
-                "outputs": [],
-                "execution_count": None,
-            }
-        )
-    title = meta.get("title", path.stem)
-    return {
-        "nbformat": 4,
-        "nbformat_minor": 5,
-        "metadata": {
-            "title": title,
-            "kernelspec": {
-                "name": "python3",
-                "display_name": "Python 3",
-                "language": "python",
-            },
-            "language_info": {"name": "python"},
-        },
-        "cells": [{"id": f"cell-{i}", **cell} for i, cell in enumerate(notebook_cells)],
-    }
+        notebook_cells.append(new_code_cell(cell.source, metadata=metadata))
+    return new_notebook(notebook_cells, meta.get("title", path.stem))
 
 
 def write_notebook(path: Path, target: Path) -> Path:
     """Write the reader's notebook for chapter ``path`` to ``target``."""
-    notebook = to_notebook(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(
-        json.dumps(notebook, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
-    )
-    return target
+    return save_notebook(to_notebook(path), target)
 
 
 def write_book_notebooks(project: Path, output: Path) -> list[Path]:
