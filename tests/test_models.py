@@ -288,6 +288,33 @@ def test_position_or_document_ids_of_another_shape_are_refused():
         make_model()(idx, position_ids=torch.arange(6))
 
 
+@pytest.mark.parametrize("position", [CONFIG.block_size, -1])
+def test_a_position_outside_the_rope_tables_is_refused_naming_it_and_block_size(
+    position,
+):
+    # RoPE's tables have one row per position in [0, block_size); -1 would silently
+    # read the last row, block_size would index past the end.
+    position_ids = torch.arange(6)[None]
+    position_ids[0, 4] = position
+    with pytest.raises(
+        ValueError,
+        match=rf"position_ids holds {position} at position \(0, 4\).*"
+        rf"\[0, block_size=16\)",
+    ):
+        make_model()(random_tokens(1, 6), position_ids=position_ids)
+
+
+def test_document_ids_with_a_kv_cache_are_refused():
+    # the cache keeps keys and values, not the document each cached position was in
+    model, idx = make_model(), random_tokens(1, 4)
+    with pytest.raises(ValueError, match=r"document_ids.*kv_cache"):
+        model(
+            idx,
+            document_ids=torch.zeros_like(idx),
+            kv_cache=(model._empty_cache(idx), 0),
+        )
+
+
 def gradients_after_one_backward(checkpointing: bool) -> list[torch.Tensor]:
     config = GPTConfig(
         vocab_size=65,
@@ -439,6 +466,16 @@ def test_generate_crops_a_long_prompt_to_block_size():
     assert out.shape == (1, CONFIG.block_size + 8)
     assert torch.equal(out[:, : prompt.size(1)], prompt)
     assert out[0, prompt.size(1)].item() == first.item()
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_generate_refuses_an_empty_prompt_naming_its_shape(use_cache):
+    # the first token is sampled from the prompt's last position: there is none
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    with pytest.raises(
+        ValueError, match=r"GPT.generate: idx must hold at least one token.*\(2, 0\)"
+    ):
+        make_model().generate(empty, 3, use_cache=use_cache)
 
 
 def test_generate_top_k_1_is_greedy():

@@ -21,11 +21,11 @@ Two options serve LLM training at scale:
   during the forward pass and recomputes the block in the backward pass:
   less activation memory for one more forward.
 
-Token ids outside ``[0, vocab_size)`` are refused with an error naming the id
-when ``idx`` is on the CPU. On an accelerator they are not checked here:
-reading the ids back to decide would stall the device at every step, so check
-them on the host before moving them (``check_token_ids``), where a data
-pipeline already has them.
+Token ids outside ``[0, vocab_size)`` and positions outside ``[0, block_size)``
+are refused with an error naming the value when the input is on the CPU. On an
+accelerator they are not checked here: reading them back would stall the device
+at every step, so check token ids on the host before moving them
+(``check_token_ids``), where a data pipeline already has them.
 
 This file imports only torch (plus dataclasses and math), so you can copy it
 into another project as it is.
@@ -58,9 +58,8 @@ class GPTConfig:
     """Shape of a GPT. Every size is here; nothing is hidden in the layers."""
 
     vocab_size: int
-    block_size: (
-        int  # longest context; the causal mask buffer is (block_size, block_size)
-    )
+    # longest context; the causal mask buffer is (block_size, block_size)
+    block_size: int
     n_layer: int
     n_head: int
     d_model: int
@@ -77,12 +76,13 @@ class GPTConfig:
                 )
         if self.d_model % self.n_head != 0:
             raise ValueError(
-                f"GPTConfig.d_model={self.d_model} must be divisible by n_head={self.n_head}"
+                f"GPTConfig.d_model={self.d_model} must be divisible by "
+                f"n_head={self.n_head}"
             )
         if (self.d_model // self.n_head) % 2 != 0:
             raise ValueError(
-                f"GPTConfig: head size d_model/n_head = {self.d_model // self.n_head} must be "
-                "even, because RoPE rotates pairs of features"
+                f"GPTConfig: head size d_model/n_head = {self.d_model // self.n_head} "
+                "must be even, because RoPE rotates pairs of features"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(
@@ -125,25 +125,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
-def check_token_ids(
-    ids: torch.Tensor, vocab_size: int, where: str = "token ids"
-) -> None:
-    """Raise ValueError naming the first id outside ``[0, vocab_size)``.
-
-    ``where`` names the input in the message. Call it on host tensors (a data
-    pipeline's batch before ``.to(device)``): on an accelerator, ``ids.min()`` and
-    ``ids.max()`` would have to be read back, which waits for every queued kernel.
-    """
+def _check_range(ids: torch.Tensor, limit: int, what: str, expected: str) -> None:
+    """Raise ValueError naming the first value of ``ids`` outside ``[0, limit)``."""
     if ids.numel() == 0:
         return
     low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= vocab_size:
+    if low < 0 or high >= limit:
         bad = low if low < 0 else high
-        position = tuple(int(i) for i in (ids == bad).nonzero()[0])
-        raise ValueError(
-            f"{where} holds token id {bad} at position {position}, outside the "
-            f"vocabulary [0, {vocab_size}); was the data tokenized with another tokenizer?"
-        )
+        index = tuple(int(i) for i in (ids == bad).nonzero()[0])
+        raise ValueError(f"{what} {bad} at position {index}, outside {expected}")
+
+
+def check_token_ids(
+    ids: torch.Tensor, vocab_size: int, where: str = "token ids"
+) -> None:
+    """Raise ValueError naming ``where`` and its first id outside ``[0, vocab_size)``.
+
+    Call it on host tensors (a batch before ``.to(device)``): on an accelerator,
+    reading ``ids.min()`` and ``ids.max()`` back waits for every queued kernel.
+    """
+    tokenizer = "was the data tokenized with another tokenizer?"
+    expected = f"the vocabulary [0, {vocab_size}); {tokenizer}"
+    _check_range(ids, vocab_size, f"{where} holds token id", expected)
 
 
 def masked_softmax_attention(
@@ -255,19 +258,13 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A small decoder-only language model: (B, T) token ids -> (B, T, vocab) logits.
 
-    Buffers, all registered with ``persistent=False``:
-
-    - ``causal_mask`` (block_size, block_size), bool, True on and below the
-      diagonal. SDPA's ``is_causal=True`` does not need it; packed rows do
-      (``document_causal_mask``). It is not saved in ``state_dict`` because it
-      is a pure function of ``block_size``: the config rebuilds it, and a
-      checkpoint that carried it would only be larger and could disagree with
-      the config.
-    - ``rope_cos`` and ``rope_sin`` (block_size, head_size), float32: RoPE's
-      tables, also derived from the config, so also not saved.
-
-    Buffers move with ``.to(device)`` like parameters; ``.to(dtype)`` converts
-    the floating-point ones (the RoPE tables) and leaves the bool mask alone.
+    Its buffers are functions of the config, so they are registered with
+    ``persistent=False``: they move with ``.to()`` but stay out of ``state_dict``,
+    where they would only enlarge a checkpoint and could disagree with the config.
+    ``causal_mask`` (block_size, block_size) is bool, True on and below the
+    diagonal, for packed rows and the KV cache (``is_causal=True`` needs none);
+    ``rope_cos`` and ``rope_sin`` (block_size, head_size) are float32 tables,
+    which ``.to(dtype)`` converts while the mask stays bool.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -295,11 +292,9 @@ class GPT(nn.Module):
     def _init_weights(module: nn.Module) -> None:
         """Normal(0, 0.02) for linear and embedding weights, zero biases.
 
-        PyTorch's default Linear init depends on fan-in and its Embedding init is
-        N(0, 1); with a tied head, N(0, 1) embeddings would make the first logits
-        huge. A single small std (GPT-2's 0.02) gives near-uniform first
-        predictions, so training starts near loss = log(vocab_size).
-        LayerNorm keeps its default (weight 1, bias 0).
+        PyTorch's Embedding default, N(0, 1), would make the tied head's first logits
+        huge; GPT-2's single small std gives near-uniform first predictions, so
+        training starts near loss = log(vocab_size). LayerNorm keeps its default.
         """
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
@@ -343,8 +338,9 @@ class GPT(nn.Module):
             or end > block_size
         ):
             raise ValueError(
-                f"GPT.forward: idx must be int64 or int32 token ids of shape (batch, time) with time <= "
-                f"block_size={block_size}, got {idx.dtype} of shape {tuple(idx.shape)}"
+                "GPT.forward: idx must be int64 or int32 token ids of shape (batch, "
+                f"time) with time <= block_size={block_size}, got {idx.dtype} of shape "
+                f"{tuple(idx.shape)}"
             )
         for name, ids in (
             ("position_ids", position_ids),
@@ -355,30 +351,31 @@ class GPT(nn.Module):
                     f"GPT.forward: {name} must have idx's shape {tuple(idx.shape)}, "
                     f"got {tuple(ids.shape)}"
                 )
-        # Only on the CPU, where reading the ids costs no device sync; under
-        # torch.compile the generated kernel checks its own indices, and fake
-        # tensors (shapes without values, for the GPU dry run) have none to read.
+        if document_ids is not None and kv_cache is not None:
+            raise ValueError(
+                "GPT.forward: document_ids cannot be combined with kv_cache, which "
+                "keeps no document ids for its positions; generate one document per row"
+            )
+        # On the CPU only, where reading values costs no device sync; compiled kernels
+        # check their own indices, and fake tensors (the GPU dry run's) have no values.
         if (
             idx.device.type == "cpu"
             and not torch.compiler.is_compiling()
             and not is_fake(idx)
         ):
             check_token_ids(idx, self.config.vocab_size, where="GPT.forward: idx")
-        if position_ids is None:
-            # positions start..start+T-1
-            cos, sin = (
-                self.rope_cos[start:end],
-                self.rope_sin[start:end],
-            )
-        else:  # each token's own position; (B, 1, T, head_size) broadcasts over the heads
-            cos, sin = (
-                self.rope_cos[position_ids].unsqueeze(1),
-                self.rope_sin[position_ids].unsqueeze(1),
-            )
-        attn_mask = (
-            None if document_ids is None else self.document_causal_mask(document_ids)
-        )
-        if kv_cache is not None:  # each query sees the cached keys and its own
+            if position_ids is not None:  # RoPE's tables have a row per position
+                where = "GPT.forward: position_ids holds"
+                _check_range(position_ids, block_size, where, f"[0, {block_size=})")
+        if position_ids is None:  # positions start..end-1, after those cached
+            cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        else:  # each token's own position; (B, 1, T, head_size) broadcasts over heads
+            cos = self.rope_cos[position_ids].unsqueeze(1)
+            sin = self.rope_sin[position_ids].unsqueeze(1)
+        attn_mask = None  # SDPA's own causal mask (is_causal=True)
+        if document_ids is not None:  # packed rows: causal within each document
+            attn_mask = self.document_causal_mask(document_ids)
+        elif kv_cache is not None:  # each query sees the cached keys and its own
             attn_mask = self.causal_mask[start:end, :end]
         recompute = (
             self.config.activation_checkpointing
@@ -419,17 +416,21 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
         use_cache: bool = False,
     ) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T).
+        """Append ``max_new_tokens`` sampled tokens to the prompt ``idx`` (B, T >= 1).
 
         Returns (B, T + max_new_tokens). Each step feeds at most the last block_size
         tokens, divides the last position's logits by ``temperature``, keeps the
-        ``top_k`` largest if given, and draws from the softmax with ``generator``.
-        Sampling runs on the generator's device, so a CPU generator draws the same
-        random numbers whatever device holds the model. The model's train/eval mode is
-        left as it is: call ``model.eval()`` first so dropout is off. ``use_cache``
-        keeps every layer's keys and values, so a step runs one position while they
-        fit block_size.
+        ``top_k`` largest if given, and draws from the softmax with ``generator`` on
+        its device, so a CPU generator draws the same numbers whatever device holds
+        the model. Call ``model.eval()`` first: the mode is left as it is.
+        ``use_cache`` keeps every layer's keys and values, so a step runs one
+        position while they fit block_size.
         """
+        if idx.dim() != 2 or idx.size(1) == 0:  # the first draw reads the last token
+            raise ValueError(
+                "GPT.generate: idx must hold at least one token per row, shape (batch, "
+                f"time >= 1), got shape {tuple(idx.shape)}"
+            )
         if max_new_tokens < 0:
             raise ValueError(
                 f"GPT.generate: max_new_tokens must be >= 0, got {max_new_tokens}"
