@@ -88,7 +88,8 @@ def plot_memory_layout(
         shape, stride = tuple(tensor.shape), tuple(tensor.stride())
         if not 1 <= len(shape) <= 3:
             raise ValueError(
-                f"plot_memory_layout: {name!r} has shape {shape}; draw 1-D to 3-D tensors"
+                f"plot_memory_layout: {name!r} has shape {shape}; draw 1-D to 3-D "
+                "tensors"
             )
         positions = storage_positions(shape, stride, tensor.storage_offset())
         values = _flat_values(tensor.tolist())
