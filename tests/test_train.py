@@ -636,11 +636,25 @@ def test_resume_with_the_same_config_keeps_the_loaded_rate_bit_for_bit(tmp_path)
         (lambda s: s["unlogged"][0].pop("loss"), r"history, unlogged.*'loss'"),
         (
             lambda s: s.update(scaler={"scale": 1.0}),
-            r"scaler: True in the state, False",
+            r"scaler: keys \['scale'\] in the state, \[\] here",
         ),
         (
             lambda s: s.update(scheduler={"x": 1}),
             r"scheduler: True in the state, False",
+        ),
+        (lambda s: s.update(model=None), r"model: a NoneType, expected a dict"),
+        (lambda s: s.update(model=list(s["model"])), r"model: a list, expected a dict"),
+        (
+            lambda s: s["optimizer"]["param_groups"].__setitem__(0, "decay"),
+            r"optimizer: not an optimizer.state_dict\(\): TypeError",
+        ),
+        (
+            lambda s: s["optimizer"]["param_groups"][1].pop("params"),
+            r"optimizer: not an optimizer.state_dict\(\): KeyError\('params'\)",
+        ),
+        (
+            lambda s: s["optimizer"]["state"].__setitem__(0, [1.0]),
+            r"optimizer: not an optimizer.state_dict\(\): AttributeError",
         ),
     ],
     ids=[
@@ -657,6 +671,11 @@ def test_resume_with_the_same_config_keeps_the_loaded_rate_bit_for_bit(tmp_path)
         "unlogged-step-without-loss",
         "scaler-on",
         "scheduler-on",
+        "model-none",
+        "model-a-list",
+        "group-a-string",
+        "group-without-params",
+        "moment-a-list",
     ],
 )
 def test_a_bad_state_is_refused_and_nothing_changes(damage, message):
@@ -672,6 +691,62 @@ def test_a_bad_state_is_refused_and_nothing_changes(damage, message):
     assert target.step == 0 and not target._unlogged and target.history == []
     assert all(torch.equal(target.model.state_dict()[k], v) for k, v in weights.items())
     assert target.optimizer.state_dict() == optimizer_state
+
+
+def test_reloading_the_state_before_a_nan_step_trains_on_as_if_it_never_happened():
+    """The recovery the NaN error advises: load a state from before it, train on."""
+    reference = Trainer(make_model(), config(), CPU)
+    train_steps(reference, 0, 2)
+    trainer = Trainer(make_model(), config(), CPU)
+    train_steps(trainer, 0, 1)
+    good = copy.deepcopy(trainer.state_dict())  # live tensors: keep a copy
+    with torch.no_grad():
+        for parameter in trainer.model.parameters():
+            parameter.fill_(float("nan"))
+    with pytest.raises(NonFiniteLossError, match=r"optimizer step 2\b"):
+        train_steps(trainer, 1, 2)
+    trainer.load_state_dict(good)
+    train_steps(trainer, 1, 2)  # the same batch as the reference's step 2
+    # exact float equality: the same operations in the same order in one process
+    # (tokens_per_second, a timing, is left out)
+    for key in ("step", "loss", "lr", "grad_norm"):
+        assert trainer.history[-1][key] == reference.history[-1][key], key
+    for name, tensor in reference.model.state_dict().items():
+        assert torch.equal(trainer.model.state_dict()[name], tensor), name
+
+
+def test_the_fp16_skips_in_a_row_are_the_loaded_states():
+    """A state carries its count of skips in a row; loading it replaces the live one.
+
+    A run that overflows fp16 at every step stops at its MAX_SKIPS_IN_A_ROW-th skip
+    in a row, counted across a save and a load as in one run.
+    """
+    torch.manual_seed(0)
+    source = Trainer(OverflowingLM(), config(precision="fp16"), CPU)
+    already = MAX_SKIPS_IN_A_ROW // 3
+    train_steps(source, 0, already)
+    torch.manual_seed(0)
+    target = Trainer(OverflowingLM(), config(precision="fp16"), CPU)
+    train_steps(target, 0, MAX_SKIPS_IN_A_ROW - 1)  # one skip short of the error
+    target.load_state_dict(source.state_dict())
+    skips = 0
+    with pytest.raises(NonFiniteLossError, match=r"fp16 overflows in the forward"):
+        while skips <= MAX_SKIPS_IN_A_ROW:
+            skips += 1
+            train_steps(target, 0, 1)
+    assert skips == MAX_SKIPS_IN_A_ROW - already
+    assert target.step == 0
+
+
+def test_a_scaler_state_with_missing_fields_is_refused_before_the_model_changes():
+    source = Trainer(make_model(seed=1), config(precision="fp16"), CPU)
+    train_steps(source, 0, 1)
+    state = {**source.state_dict(), "scaler": {"scale": 1.0}}
+    target = Trainer(make_model(), config(precision="fp16"), CPU)
+    weights = copy.deepcopy(target.model.state_dict())
+    with pytest.raises(ValueError, match=r"scaler: keys \['scale'\] in the state, \['"):
+        target.load_state_dict(state)
+    assert all(torch.equal(target.model.state_dict()[k], v) for k, v in weights.items())
 
 
 def test_a_step_without_the_fp16_scaler_never_reads_the_scale(monkeypatch):

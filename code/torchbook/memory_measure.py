@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchbook.device import AUTOCAST_DTYPES, synchronize
+from torchbook.device import autocast, synchronize
 from torchbook.memory import LOOPS
 from torchbook.train import summed_loss
 
@@ -65,11 +65,7 @@ def training_step(
     if loop == "trainer":
         training_loss(model, idx, targets, precision, loss_chunks).backward()
     else:
-        with torch.autocast(
-            idx.device.type,
-            dtype=AUTOCAST_DTYPES[precision],
-            enabled=precision != "fp32",
-        ):
+        with autocast(idx.device.type, precision):
             logits = model(idx)
         loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
         loss.backward()

@@ -1,23 +1,22 @@
 """The book's training loop: one optimizer step, written out in named parts.
 
-A step over ``accum_steps`` micro-batches counts the target tokens, runs the
-forward under ``torch.autocast`` with the loss in float32 (summed over tokens
-and divided by the step's count: the gradient of the *mean* loss over the whole
-step), backpropagates through the fp16 loss scaler, clips, sets the learning
-rate, steps and zeroes the gradients; the numbered comments follow that order.
-Losses stay on the device and are read to the host (a sync) every
-``log_every`` steps. A NaN or inf gradient norm is recorded on the device at its
-step; ``log`` and ``state_dict`` raise ``NonFiniteLossError`` naming it.
+A step over ``accum_steps`` micro-batches counts the target tokens, runs the forward
+under ``torch.autocast`` with the loss in float32 (summed, then divided by the step's
+token count: the gradient of the *mean* loss over the whole step), backpropagates
+through the fp16 loss scaler, clips, sets the learning rate, steps and zeroes the
+gradients; the numbered comments follow that order. Losses stay on the device, read (a
+sync) every ``log_every`` steps. A NaN or inf gradient norm is recorded on the device;
+``log`` and ``state_dict`` raise ``NonFiniteLossError`` naming its step.
 
-**The step is the API**: ``Trainer.train_step(micro_batches)``, called by each
-script in a short loop of its own that seeds the random numbers. It builds on
-``torchbook.optim`` and ``torchbook.state_dicts``.
+**The step is the API**: ``Trainer.train_step(micro_batches)``, called by each script in
+a short loop of its own that seeds the random numbers. It builds on
+``torchbook.device``, ``torchbook.optim`` and ``torchbook.state_dicts``.
 
-**Distributed.** With more than one rank the model must be DDP or FSDP2, which
-*average* gradients: the step all-reduces the token count, scales each loss by
-the world size (the gradient of the global mean, however tokens fall per rank)
-and synchronises gradients on the last micro-batch only. ``state_dict`` suits
-one process or DDP; FSDP2's sharded weights need ``torch.distributed.checkpoint``.
+**Distributed.** With more than one rank the model must be DDP or FSDP2, which *average*
+gradients: the step all-reduces the token count, scales each loss by the world size (the
+gradient of the global mean, however tokens fall per rank) and synchronises gradients on
+the last micro-batch only. ``state_dict`` suits one process or DDP; FSDP2's sharded
+weights need ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from torchbook.device import AUTOCAST_DTYPES
+from torchbook.device import AUTOCAST_DTYPES, autocast
 from torchbook.optim import (
     OptimizerConfig,
     apply_config,
@@ -64,13 +63,10 @@ class TrainConfig(OptimizerConfig):
     """The loop's settings; the first six, ``OptimizerConfig``'s, make the optimizer."""
 
     accum_steps: int = 1  # micro-batches per optimizer step
-    # clip the total gradient norm to this; None: no clipping
-    max_grad_norm: float | None = 1.0
-    # "fp32" | "bf16" | "fp16": the autocast dtype of the forward pass
-    precision: str = "fp32"
+    max_grad_norm: float | None = 1.0  # clip the gradient norm to this; None: never
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16": the forward's autocast dtype
     log_every: int = 10  # steps between history rows, i.e. between host syncs
-    # >1: the head and the loss over this many slices of the sequence (a GPT only)
-    loss_chunks: int = 1
+    loss_chunks: int = 1  # >1: head and loss over this many slices (a GPT only)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,7 +83,8 @@ class TrainConfig(OptimizerConfig):
                 )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(
-                f"TrainConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}"
+                "TrainConfig.max_grad_norm must be > 0 or None, "
+                f"got {self.max_grad_norm}"
             )
 
 
@@ -99,8 +96,7 @@ class StepResult:
     lr: float  # the learning rate this step used
     loss: Tensor  # mean loss per target token (over all ranks when distributed)
     grad_norm: Tensor  # total gradient norm before clipping
-    # the step's target-token count (global across ranks when distributed)
-    target_tokens: Tensor
+    target_tokens: Tensor  # the step's target tokens (over all ranks if distributed)
     skipped: bool  # the fp16 scaler skipped it; step and schedule did not advance
 
 
@@ -114,6 +110,7 @@ class TrainerState:
     scaler: dict[str, Any]  # {} without loss scaling (fp32, bf16)
     step: int
     skipped_steps: int
+    skips_in_a_row: int  # of fp16 steps, toward MAX_SKIPS_IN_A_ROW
     history: list[dict]
     unlogged: list[StepResult]  # the steps since the last history row
     seconds_since_log: float  # of the unlogged steps, for tokens_per_second
@@ -131,9 +128,7 @@ def summed_loss(
     head and the loss run over that many slices of the final hidden states, each under
     ``checkpoint``: one slice's float32 logits exist at a time, backward too.
     """
-    with torch.autocast(
-        x.device.type, dtype=AUTOCAST_DTYPES[precision], enabled=precision != "fp32"
-    ):
+    with autocast(x.device.type, precision):
         out = model(x) if loss_chunks == 1 else model(x, return_hidden=True)
     if loss_chunks == 1:
         return _cross_entropy_sum(out, y)
@@ -158,11 +153,7 @@ def _cross_entropy_sum(logits: Tensor, y: Tensor) -> Tensor:
 
 def _head_loss(head: nn.Module, hidden: Tensor, y: Tensor, precision: str) -> Tensor:
     """One slice of a chunked loss: head under autocast, cross-entropy in float32."""
-    with torch.autocast(
-        hidden.device.type,
-        dtype=AUTOCAST_DTYPES[precision],
-        enabled=precision != "fp32",
-    ):
+    with autocast(hidden.device.type, precision):
         logits = head(hidden)
     return _cross_entropy_sum(logits, y)
 
@@ -172,11 +163,7 @@ def _world_size() -> int:
 
 
 def _check_model(model: nn.Module, device: torch.device) -> None:
-    """Raise unless ``model`` is all on ``device`` and, with several ranks, DDP or FSDP.
-
-    ``device`` is where AdamW creates its moments; DDP and FSDP average gradients
-    over the ranks.
-    """
+    """Raise unless ``model`` is on ``device`` and, with several ranks, DDP or FSDP."""
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         where = tensor.device
         if where.type != device.type or device.index not in (None, where.index):
@@ -187,9 +174,17 @@ def _check_model(model: nn.Module, device: torch.device) -> None:
     averages = hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync")
     if _world_size() > 1 and not averages:
         raise ValueError(
-            f"Trainer: torch.distributed runs {_world_size()} ranks but {type(model).__name__} is "
-            "neither DDP nor FSDP; wrap the model so that its gradients are averaged over the ranks"
+            f"Trainer: torch.distributed runs {_world_size()} ranks but "
+            f"{type(model).__name__} is neither DDP nor FSDP; wrap the model so that "
+            "its gradients are averaged over the ranks"
         )
+
+
+def _keep_root_gathered(model: nn.Module, loss_chunks: int) -> None:
+    """FSDP2: a chunked head runs after the root's forward, on the root's weights."""
+    if loss_chunks > 1 and hasattr(model, "set_reshard_after_forward"):
+        # gathered until the root's backward: fully_shard's default for a root
+        model.set_reshard_after_forward(False, recurse=False)
 
 
 def _gradient_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
@@ -218,6 +213,7 @@ class Trainer:
     ) -> None:
         device = torch.device(device)
         _check_model(model, device)
+        _keep_root_gathered(model, config.loss_chunks)
         if scheduler is not None and optimizer is None:
             raise ValueError("Trainer: a scheduler was passed without its optimizer")
         self.model, self.config, self.device = model, config, device
@@ -342,10 +338,7 @@ class Trainer:
         return skipped
 
     def log(self) -> dict | None:
-        """Read the steps since the last row (a sync) into a row; None if none.
-
-        A NaN or inf raises ``NonFiniteLossError`` naming its step.
-        """
+        """Read the steps since the last row (a sync) into a row; None if none."""
         steps = self._unlogged
         if not steps:
             return None
@@ -373,9 +366,10 @@ class Trainer:
         if bad:
             step = next(step for step in self._unlogged if step.step == bad)
             raise NonFiniteLossError(
-                f"loss {step.loss.item()}, gradient norm {step.grad_norm.item()} at optimizer "
-                f"step {bad} ({self.config.precision}, lr {step.lr:.3g}); lower the learning "
-                "rate or look for bad inputs, and resume from a checkpoint before that step"
+                f"loss {step.loss.item()}, gradient norm {step.grad_norm.item()} at "
+                f"optimizer step {bad} ({self.config.precision}, lr {step.lr:.3g}); "
+                "lower the learning rate or look for bad inputs, and resume from a "
+                "checkpoint before that step"
             )
 
     def state_dict(self) -> dict:
@@ -388,6 +382,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),  # {} when disabled (fp32, bf16)
             "step": self.step,
             "skipped_steps": self.skipped_steps,
+            "skips_in_a_row": self._skips_in_a_row,
             "history": [dict(row) for row in self.history],
             "unlogged": [dict(vars(step)) for step in self._unlogged],
             "seconds_since_log": time.perf_counter() - self._interval_started,
@@ -404,7 +399,9 @@ class Trainer:
         if state.scaler:
             self.scaler.load_state_dict(state.scaler)
         self.step, self.skipped_steps = state.step, state.skipped_steps
+        self._skips_in_a_row = state.skips_in_a_row
         self.history, self._unlogged = state.history, state.unlogged
+        self._nonfinite_step.zero_()  # a state with a non-finite step is never saved
         self._interval_started = time.perf_counter() - state.seconds_since_log
         if self.owns_optimizer:  # its own takes config's rates; a passed one stays
             apply_config(self.optimizer, self.config)
@@ -444,35 +441,42 @@ def evaluate(
 def parse_trainer_state(state: Mapping[str, Any], trainer: Trainer) -> TrainerState:
     """``state`` as a ``TrainerState`` that ``trainer`` applies, or a ``ValueError``.
 
-    Applying the result cannot fail half-way. Checked: exactly ``TrainerState``'s
-    fields; the model's keys, shapes and dtypes; the optimizer's layout; loss scaling
-    and a scheduler on or off as in ``trainer``; the other fields by type. The values
-    inside (a moment's numbers) are the file's: see the trust model in
-    ``torchbook.checkpoint``.
+    Applying it cannot fail half-way. Checked: ``TrainerState``'s fields; the model's
+    keys, shapes and dtypes; the optimizer's layout; the scaler's fields and a
+    scheduler on or off as in ``trainer``; the rest by type. The values inside are
+    the file's: see the trust model in ``torchbook.checkpoint``.
     """
     names = [field.name for field in dataclasses.fields(TrainerState)]
     if not isinstance(state, Mapping) or set(state) != set(names):
         found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
         raise ValueError(
-            f"Trainer.load_state_dict: expected a dict of {', '.join(names)}; got {found}"
+            f"Trainer.load_state_dict: expected a dict of {', '.join(names)}; "
+            f"got {found}"
         )
-    problems = [
-        f"model: {line}" for line in state_dict_problems(trainer.model, state["model"])
-    ]
-    problems += optimizer_layout_problems(state["optimizer"], trainer.optimizer)
-    for key, saved, here in (
-        ("scaler", state["scaler"], trainer.scaler.is_enabled()),
-        ("scheduler", state["scheduler"], trainer.scheduler is not None),
-    ):
-        if not isinstance(saved, dict) or bool(saved) != here:
-            problems.append(f"{key}: {bool(saved)} in the state, {here} here")
+    model = state["model"]
+    problems = (
+        [f"model: {line}" for line in state_dict_problems(trainer.model, model)]
+        if isinstance(model, Mapping)
+        else [f"model: a {type(model).__name__}, expected a dict of tensors"]
+    )
+    try:
+        problems += optimizer_layout_problems(state["optimizer"], trainer.optimizer)
+    # a group or a parameter's state that is not a dict, a group without "params"
+    except (TypeError, KeyError, AttributeError) as error:
+        problems.append(f"optimizer: not an optimizer.state_dict(): {error!r}")
+    scaler, expected = state["scaler"], sorted(trainer.scaler.state_dict())  # [] if off
+    found = sorted(scaler, key=str) if isinstance(scaler, dict) else type(scaler)
+    if found != expected:
+        problems.append(f"scaler: keys {found} in the state, {expected} here")
+    scheduler, here = state["scheduler"], trainer.scheduler is not None
+    if not isinstance(scheduler, dict) or bool(scheduler) != here:
+        problems.append(f"scheduler: {bool(scheduler)} in the state, {here} here")
     problems += [
         f"{key}: {state[key]!r}, expected an int >= 0"
-        for key in ("step", "skipped_steps")
+        for key in ("step", "skipped_steps", "skips_in_a_row")
         if type(state[key]) is not int or state[key] < 0
     ]
-    # Copies, on this trainer's device: applying them cannot fail, and shares nothing
-    # with `state`.
+    # Copies on this trainer's device: applying them cannot fail or share with state
     try:
         tensors = ("loss", "grad_norm", "target_tokens")
         parsed = {
@@ -490,7 +494,7 @@ def parse_trainer_state(state: Mapping[str, Any], trainer: Trainer) -> TrainerSt
         problems.append(f"history, unlogged, seconds_since_log or config: {error}")
     if problems:
         raise ValueError(
-            "Trainer.load_state_dict: the state does not fit this trainer; nothing was loaded:\n  "
-            + "\n  ".join(problems)
+            "Trainer.load_state_dict: the state does not fit this trainer; nothing was "
+            "loaded:\n  " + "\n  ".join(problems)
         )
     return TrainerState(**{**state, **parsed})
