@@ -1,0 +1,402 @@
+"""A Llama-family language model, written to be read top to bottom like the book's GPT.
+
+Llama and the many checkpoints that share its architecture (TinyLlama, SmolLM,
+Llama 3.2, ...) are the book's GPT with four parts changed:
+
+    token embedding
+    -> n_layer x [RMSNorm -> grouped-query attention (RoPE, SDPA) -> + residual,
+                  RMSNorm -> SwiGLU MLP                           -> + residual]
+    -> final RMSNorm -> output head (tied to the embedding, or its own) -> logits
+
+- **RMSNorm** instead of LayerNorm: divide by the root mean square and scale; no
+  mean subtracted, no bias (Zhang and Sennrich 2019).
+- **SwiGLU** instead of the GELU MLP: ``down(silu(gate(x)) * up(x))``, a gated
+  MLP (Shazeer 2020); three matrices of width ``mlp_size`` instead of two.
+- **RoPE with the checkpoint's base** (``rope_theta``) and, for Llama 3.1 and
+  later, its rescaled frequencies. The rotation itself is the GPT's (the
+  rotate-half layout Hugging Face checkpoints use), imported from
+  ``torchbook.models``. The cos and sin tables are computed from the positions
+  at each call instead of stored: 131,072 positions (Llama 3's context) would
+  make a table of tens of MB.
+- **Grouped-query attention**: ``n_head`` query heads share ``n_kv_head`` key
+  and value heads (Ainslie et al. 2023), so the KV cache, which stores only
+  those, is ``n_head / n_kv_head`` times smaller.
+
+No linear layer has a bias. The names are the book's (``blocks.0.attn.query``);
+``torchbook.hf_checkpoint`` maps them to Hugging Face's. ``generate`` decodes
+greedily, or samples with temperature, top-k and top-p from a seeded generator.
+
+It builds on ``torchbook.models`` for RoPE's rotation, the token-id check and
+the initialisation's standard deviation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchbook.models import INIT_STD, apply_rope, check_token_ids
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's RoPE rescaling (``"rope_type": "llama3"`` in config.json).
+
+    Rotations slower than ``original_max_positions / low_freq_factor`` positions
+    per turn are slowed by ``factor``, faster ones than ``original_max_positions /
+    high_freq_factor`` are kept, and those between are interpolated, so a model
+    trained on 8,192 positions reads 131,072 without seeing angles it never saw.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+
+@dataclass
+class LlamaConfig:
+    """Shape of a Llama. The defaults are those of Hugging Face's ``LlamaConfig``."""
+
+    vocab_size: int
+    n_layer: int
+    n_head: int  # query heads
+    n_kv_head: int  # key/value heads: n_head for full attention, fewer for GQA
+    d_model: int
+    mlp_size: int  # SwiGLU's hidden width ("intermediate_size")
+    head_size: int | None = None  # None: d_model // n_head
+    max_positions: int = 2048  # longest context the model was trained for
+    rope_theta: float = 10_000.0  # RoPE's base
+    rope_scaling: Llama3RopeScaling | None = None
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False  # the head reuses the embedding matrix
+
+    def __post_init__(self) -> None:
+        if self.head_size is None and self.n_head > 0:
+            self.head_size = self.d_model // self.n_head
+        for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"LlamaConfig.{name} must be a positive int, got {value!r}"
+                )
+        if self.n_head % self.n_kv_head:
+            raise ValueError(
+                f"LlamaConfig: n_head={self.n_head} must be a multiple of "
+                f"n_kv_head={self.n_kv_head} (each key/value head serves a group)"
+            )
+        if self.head_size % 2:
+            raise ValueError(
+                f"LlamaConfig: head_size={self.head_size} must be even, "
+                "because RoPE rotates pairs of features"
+            )
+
+
+def rope_frequencies(config: LlamaConfig, device: torch.device) -> torch.Tensor:
+    """Radians per position of each feature pair: ``rope_theta ** (-2i / head_size)``.
+
+    Written as Hugging Face writes it (``1 / base ** (2i / d)``), so both round
+    alike; with ``rope_scaling``, rescaled as ``Llama3RopeScaling`` says.
+    """
+    pairs = torch.arange(0, config.head_size, 2, device=device).float()
+    inv_freq = 1.0 / (config.rope_theta ** (pairs / config.head_size))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    wavelength = 2 * math.pi / inv_freq  # positions per full turn
+    # 0 for the slow rotations (divided by factor), 1 for the fast ones (kept)
+    smooth = (scaling.original_max_positions / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smooth = smooth.clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos and sin (..., T, head_size), float32, for integer ``positions`` (..., T).
+
+    Both halves of the last dimension carry the same angles, as ``rotate_half``
+    (``torchbook.models``) expects.
+    """
+    angles = positions[..., None].float() * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x**2) + eps) * weight``: LayerNorm without mean and bias."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32 whatever x's dtype: a mean of squares in bf16 loses digits.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention: ``n_head`` query heads share ``n_kv_head`` K/V heads."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_size = config.head_size
+        self.query = nn.Linear(
+            config.d_model, config.n_head * self.head_size, bias=False
+        )
+        self.key = nn.Linear(
+            config.d_model, config.n_kv_head * self.head_size, bias=False
+        )
+        self.value = nn.Linear(
+            config.d_model, config.n_kv_head * self.head_size, bias=False
+        )
+        self.proj = nn.Linear(
+            config.n_head * self.head_size, config.d_model, bias=False
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        cache: tuple[torch.Tensor, int] | None = None,
+    ) -> torch.Tensor:
+        """(B, T, d_model) -> (B, T, d_model).
+
+        ``cache`` (keys and values of every position so far, where this call's
+        start) is written at ``start``, with ``n_kv_head`` heads only. SDPA's
+        ``enable_gqa`` lets query head h read key/value head
+        ``h // (n_head / n_kv_head)`` without copying them ``n_head`` times.
+        """
+        batch, steps, _ = x.shape
+        q = self.query(x).view(batch, steps, self.n_head, self.head_size)
+        k = self.key(x).view(batch, steps, self.n_kv_head, self.head_size)
+        v = self.value(x).view(batch, steps, self.n_kv_head, self.head_size)
+        q, k, v = (
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+        )  # (B, H, T, hs)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # store k and v; attend to every position stored
+            kv, start = cache
+            kv[:, :, :, start : start + steps] = torch.stack((k, v))
+            k, v = kv[:, :, :, : start + steps]
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=attn_mask is None,
+            enable_gqa=self.n_kv_head != self.n_head,
+        )
+        return self.proj(y.transpose(1, 2).reshape(batch, steps, -1))
+
+
+class SwiGLU(nn.Module):
+    """The gated MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.d_model, config.mlp_size, bias=False)
+        self.up = nn.Linear(config.d_model, config.mlp_size, bias=False)
+        self.down = nn.Linear(config.mlp_size, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.norm_attn = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.norm_mlp = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        cache: tuple[torch.Tensor, int] | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm_attn(x), cos, sin, attn_mask, cache)
+        return x + self.mlp(self.norm_mlp(x))
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How ``generate`` draws each token: temperature, then top-k, then top-p.
+
+    ``top_p`` keeps the most likely tokens until their probabilities sum to at
+    least ``top_p`` (nucleus sampling, Holtzman et al. 2020).
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(
+                f"Sampling.temperature must be > 0, got {self.temperature}"
+            )
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"Sampling.top_k must be >= 1 or None, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"Sampling.top_p must be in (0, 1] or None, got {self.top_p}"
+            )
+
+
+def next_token(
+    logits: torch.Tensor,
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The next token (B, 1) from the last position's ``logits`` (B, vocab).
+
+    Greedy (the most likely token) when ``sampling`` is None; otherwise drawn
+    on ``generator``'s device, so a seeded CPU generator gives the same tokens
+    whatever device holds the model.
+    """
+    if sampling is None:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k is not None:
+        k = min(sampling.top_k, logits.size(-1))
+        kth_largest = torch.topk(logits, k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if sampling.top_p is not None:
+        ranked, order = logits.sort(dim=-1, descending=True)
+        probs = ranked.softmax(dim=-1)
+        # drop a token once the tokens ranked above it already hold top_p
+        drop_ranked = probs.cumsum(dim=-1) - probs >= sampling.top_p
+        drop = drop_ranked.scatter(-1, order, drop_ranked)  # back to vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    device = generator.device if generator is not None else logits.device
+    probs = logits.softmax(dim=-1).to(device)
+    return torch.multinomial(probs, 1, generator=generator).to(logits.device)
+
+
+class Llama(nn.Module):
+    """A Llama-family decoder: (B, T) token ids -> (B, T, vocab) logits.
+
+    No buffers: RoPE's angles come from the positions at each call, and the
+    causal mask from SDPA's ``is_causal`` (or, for packed rows and the KV cache,
+    from the positions too).
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm_final = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:  # one Parameter, two uses, as in the book's GPT
+            self.lm_head.weight = self.token_embedding.weight
+        for module in self.modules():  # N(0, 0.02), as Hugging Face initialises
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        kv_cache: tuple[torch.Tensor, int] | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab_size) for token ids ``idx`` (B, T).
+
+        Packed rows pass ``position_ids`` (restarting at 0 in each document) and
+        ``document_ids`` (B, T), as for the GPT; attention then stays inside
+        each document. ``kv_cache``: ``(cache, start)``, see ``generate``.
+        """
+        start = 0 if kv_cache is None else kv_cache[1]
+        end = start + idx.size(1)
+        if idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2:
+            raise ValueError(
+                "Llama.forward: idx must be int64 or int32 token ids of shape "
+                f"(batch, time), got {idx.dtype} of shape {tuple(idx.shape)}"
+            )
+        if end > self.config.max_positions:
+            raise ValueError(
+                f"Llama.forward: position {end - 1} is beyond max_positions="
+                f"{self.config.max_positions}, the longest context of this model"
+            )
+        if idx.device.type == "cpu" and not torch.compiler.is_compiling():
+            check_token_ids(idx, self.config.vocab_size, where="Llama.forward: idx")
+        steps = torch.arange(start, end, device=idx.device)
+        # (B, 1, T) for packed rows: broadcasts over the heads
+        positions = steps if position_ids is None else position_ids[:, None, :]
+        cos, sin = rope_cos_sin(rope_frequencies(self.config, idx.device), positions)
+        attn_mask = None  # SDPA's is_causal
+        if document_ids is not None:  # causal, and inside one document
+            same = document_ids[:, :, None] == document_ids[:, None, :]
+            attn_mask = (same & torch.ones_like(same).tril()).unsqueeze(1)
+        if kv_cache is not None:  # query at position p sees the cached keys 0..p
+            attn_mask = steps[:, None] >= torch.arange(end, device=idx.device)
+
+        x = self.token_embedding(idx)
+        for layer, block in enumerate(self.blocks):
+            cache = None if kv_cache is None else (kv_cache[0][:, layer], start)
+            x = block(x, cos, sin, attn_mask, cache)
+        return self.lm_head(self.norm_final(x))
+
+    def empty_cache(
+        self, batch: int, length: int, device: torch.device
+    ) -> torch.Tensor:
+        """Zeros (2, n_layer, B, n_kv_head, length, head_size) for keys and values.
+
+        In autocast's dtype when autocast is on (the dtype k and v have then),
+        else the weights'.
+        """
+        c = self.config
+        dtype = self.token_embedding.weight.dtype
+        if torch.is_autocast_enabled(torch.device(device).type):
+            dtype = torch.get_autocast_dtype(torch.device(device).type)
+        shape = (2, c.n_layer, batch, c.n_kv_head, length, c.head_size)
+        return torch.zeros(shape, device=device, dtype=dtype)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Append ``max_new_tokens`` tokens to ``idx`` (B, T): (B, T + new) token ids.
+
+        Greedy when ``sampling`` is None. The prompt runs once, every position at
+        once, filling the KV cache; each later step runs only the token chosen
+        last. The model's train/eval mode is left as it is.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(
+                f"Llama.generate: max_new_tokens must be >= 0, got {max_new_tokens}"
+            )
+        cache = self.empty_cache(idx.size(0), idx.size(1) + max_new_tokens, idx.device)
+        logits = self(idx, kv_cache=(cache, 0))
+        for step in range(max_new_tokens):
+            token = next_token(logits[:, -1], sampling, generator)
+            idx = torch.cat((idx, token.to(idx.dtype)), dim=1)
+            if step + 1 < max_new_tokens:
+                logits = self(token.to(idx.dtype), kv_cache=(cache, idx.size(1) - 1))
+        return idx
