@@ -428,8 +428,8 @@ class GPT(nn.Module):
         """
         if idx.dim() != 2 or idx.size(1) == 0:  # the first draw reads the last token
             raise ValueError(
-                "GPT.generate: idx must hold at least one token per row, shape (batch, "
-                f"time >= 1), got shape {tuple(idx.shape)}"
+                "GPT.generate: idx must hold at least one token per row to continue "
+                f"from, shape (batch, time), got shape {tuple(idx.shape)}"
             )
         if max_new_tokens < 0:
             raise ValueError(
