@@ -8,10 +8,12 @@ CUDA), reads its own share of the token blocks (``TokenStream`` with its rank),
 wraps the model in DDP and trains with the book's ``Trainer``, which skips the
 gradient all-reduce on all but the last micro-batch (``no_sync``), normalises
 by the global target-token count and logs the loss averaged over the ranks.
-A communication hook counts DDP's all-reduces. Rank 0 alone prints, writes the
-log and writes the checkpoint. Every rank waits at a barrier until rank 0 has
-written them, so the ranks leave together; the process group is destroyed on
-the way out, on errors too.
+A communication hook counts DDP's all-reduces. Each rank seeds its generators
+with the seed plus its rank, as nanoGPT does, so that ranks draw different dropout
+masks; DDP broadcasts rank 0's initial weights. Every rank hands its random states
+to the training checkpoint, which rank 0 alone writes; rank 0 alone prints and
+writes the log. Every rank waits at a barrier until rank 0 has written them, so the
+ranks leave together; the process group is destroyed on the way out, on errors too.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from torchbook.checkpoint import save_training_checkpoint
 from torchbook.data import StreamConfig, TokenStream
 from torchbook.distributed import (
     DistributedContext,
@@ -37,7 +40,7 @@ from torchbook.distributed import (
     is_rank_zero,
     mean_over_ranks,
 )
-from torchbook.files import atomic_write, atomic_write_text
+from torchbook.files import atomic_write_text
 from torchbook.models import GPT, GPTConfig
 from torchbook.profiles import DeviceSizes, active_profile
 from torchbook.shards import read_shards
@@ -57,7 +60,10 @@ def parse_args() -> argparse.Namespace:
         help="folder written by torchbook.shards.write_shards",
     )
     parser.add_argument(
-        "--out", type=Path, required=True, help="folder for rank 0's log and checkpoint"
+        "--out",
+        type=Path,
+        required=True,
+        help="folder for rank 0's log and training checkpoint",
     )
     parser.add_argument(
         "--device",
@@ -88,9 +94,9 @@ def train(
     args: argparse.Namespace, sizes: DeviceSizes, context: DistributedContext
 ) -> None:
     started = time.perf_counter()
-    # Every rank builds the same initial weights from the same seed; DDP also
-    # broadcasts rank 0's.
-    torch.manual_seed(active_profile().seed)
+    # Each rank its own seed, so that dropout masks differ across ranks; DDP copies
+    # rank 0's initial weights to every rank when it wraps the model.
+    torch.manual_seed(active_profile().seed + context.rank)
     model_config = GPTConfig(
         vocab_size=sizes.vocab_size,
         block_size=sizes.block_size,
@@ -137,6 +143,15 @@ def train(
         # no_sync inside
         trainer.train_step(list(itertools.islice(batches, config.accum_steps)))
         allreduces_per_step.append(counter.calls - calls_before)
+    # A checkpoint to resume from: every rank sends its random states (a collective),
+    # rank 0 writes the file.
+    checkpoint = save_training_checkpoint(
+        args.out / "checkpoints",
+        trainer.state_dict(),
+        device=context.device,
+        data_state=stream.state_dict(trainer.step * config.accum_steps),
+        model_config=model_config,
+    )
     # bytes of each bucket
     last_step_buckets = counter.bucket_bytes[-allreduces_per_step[-1] :]
     # a row every log_every steps, the loss averaged over all ranks' tokens
@@ -168,10 +183,6 @@ def train(
         print(f"step {row['step']:3d}  loss {row['loss']:.4f}  lr {row['lr']:.2e}")
     for rank, (calls, loss) in enumerate(per_rank):
         print(f"rank {rank}: {calls} all-reduces unsynced, own loss {loss:.4f}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write(
-        args.out / "checkpoint.pt", lambda path: torch.save(trainer.state_dict(), path)
-    )
     result = {
         "world_size": context.world_size,
         "backend": context.backend,
@@ -187,7 +198,7 @@ def train(
         "seconds": time.perf_counter() - started,
     }
     atomic_write_text(args.out / "log.json", json.dumps(result, indent=1) + "\n")
-    print(f"rank 0 wrote log.json and checkpoint.pt in {args.out.name}/", flush=True)
+    print(f"rank 0 wrote log.json and checkpoints/{checkpoint.name}", flush=True)
 
 
 if __name__ == "__main__":

@@ -333,11 +333,13 @@ def test_training_checkpoint_loads_with_plain_torch_load_weights_only(tmp_path):
     assert state["data"] == {"batches_consumed": 4}
     assert state["trainer"]["step"] + state["trainer"]["skipped_steps"] == 4
     assert state["trainer"]["config"]["precision"] == "fp16"
-    assert set(state["rng"]) == {"python", "numpy", "torch_cpu", "torch_device"}
+    # one process: the random states of one rank
+    (rng,) = state["rng"]
+    assert set(rng) == {"python", "numpy", "torch_cpu", "torch_device"}
     # a CPU run saves no accelerator's generator, though this machine may have one
-    assert state["rng"]["torch_device"] == {}
+    assert rng["torch_device"] == {}
     # NumPy's key words as a list: weights_only refuses an ndarray
-    assert len(state["rng"]["numpy"][1]) == 624
+    assert len(rng["numpy"][1]) == 624
 
 
 def test_save_refuses_values_weights_only_cannot_load(tmp_path):
@@ -477,21 +479,44 @@ DAMAGES = {
         r"'trainer': list, expected a dict",
     ),
     "data-not-a-dict": (lambda s: s.update(data=[4]), r"'data': list, expected a dict"),
-    "no-rng": (lambda s: s.pop("rng"), r"rng: not restorable"),
+    "no-rng": (
+        lambda s: s.pop("rng"),
+        r"rng: a NoneType, expected a list of each rank's states",
+    ),
+    "rng-of-no-rank": (
+        lambda s: s.update(rng=[]),
+        r"rng: a list, expected a list of each rank's states",
+    ),
+    "rng-a-dict": (
+        lambda s: s.update(rng=s["rng"][0]),
+        r"rng: a dict, expected a list",
+    ),
+    "rng-of-two-ranks": (
+        lambda s: s["rng"].append(s["rng"][0]),
+        r"rng: the random states of 2 ranks in the file, 1 here",
+    ),
     "rng-missing-device": (
-        lambda s: s["rng"].pop("torch_device"),
-        r"rng: not restorable",
+        lambda s: s["rng"][0].pop("torch_device"),
+        r"rng: not restorable \(KeyError",
+    ),
+    "rng-not-a-dict": (
+        lambda s: s["rng"].__setitem__(0, None),
+        r"rng: not restorable \(TypeError",
     ),
     "python-rng-short": (
-        lambda s: s["rng"].update(python=(3, (1, 2, 3), None)),
+        lambda s: s["rng"][0].update(python=(3, (1, 2, 3), None)),
         r"rng: not restorable",
     ),
     "numpy-rng-short": (
-        lambda s: s["rng"]["numpy"].__setitem__(1, [0] * 5),
+        lambda s: s["rng"][0]["numpy"].__setitem__(1, [0] * 5),
         r"rng: not restorable",
     ),
+    "numpy-rng-without-position": (
+        lambda s: s["rng"][0].update(numpy=s["rng"][0]["numpy"][:2]),
+        r"rng: not restorable \(IndexError",
+    ),
     "torch-rng-short": (
-        lambda s: s["rng"].update(torch_cpu=torch.zeros(10, dtype=torch.uint8)),
+        lambda s: s["rng"][0].update(torch_cpu=torch.zeros(10, dtype=torch.uint8)),
         r"rng: not restorable",
     ),
     "no-optimizer": (
@@ -528,7 +553,7 @@ DAMAGES = {
     ),
     "scaler-off": (
         switched_off_scaler,
-        r"scaler: False in the state, True here",
+        r"scaler: keys \[\] in the state, \['_growth_tracker'",
     ),
 }
 
@@ -653,7 +678,7 @@ def test_a_cpu_run_saves_no_cuda_state_and_resumes_whatever_the_gpus(
 def test_a_device_generator_of_another_kind_is_refused_before_loading(tmp_path):
     path = damaged(
         save_checkpoint(tmp_path, trained().state_dict()),
-        lambda s: s["rng"].update(
+        lambda s: s["rng"][0].update(
             torch_device={"cuda": torch.zeros(16, dtype=torch.uint8)}
         ),
     )

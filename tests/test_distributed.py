@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from torchbook import checkpoint as ckpt
 from torchbook.data import StreamConfig, TokenStream
 from torchbook.distributed import (
     LaunchError,
@@ -402,34 +403,44 @@ def _single_process_ddp_reference(shards: list[Path]) -> dict[str, torch.Tensor]
     return model.state_dict()
 
 
-@pytest.mark.slow
-def test_train_ddp_as_two_nodes_matches_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def two_node_ddp_run(tmp_path_factory) -> Path:
+    """examples/train_ddp.py as two one-process "nodes"; the folder of its output."""
+    folder = tmp_path_factory.mktemp("two_nodes")
     # Two torchrun commands, one per "node", meet at a c10d rendezvous: no --standalone.
     text = np.frombuffer(shakespeare_path().read_bytes(), dtype=np.uint8)
     write_shards(
-        text, tmp_path / "shards", 256, "bytes", tokens_per_shard=len(text) // 2 + 1
+        text, folder / "shards", 256, "bytes", tokens_per_shard=len(text) // 2 + 1
     )
     port = free_port()
-    arguments = [
-        "--shards",
-        tmp_path / "shards",
-        "--out",
-        tmp_path / "out",
-        "--device",
-        "cpu",
-    ]
+    arguments = ["--shards", folder / "shards", "--out", folder / "out"]
     launch_together(
         [
             torchrun_node_command(
-                ROOT / "examples" / "train_ddp.py", arguments, node_rank, 2, port
+                ROOT / "examples" / "train_ddp.py",
+                [*arguments, "--device", "cpu"],
+                node_rank,
+                2,
+                port,
             )
             for node_rank in (0, 1)
         ],
         timeout_s=JOB_TIMEOUT_S,
         cwd=ROOT,
     )
-    ddp = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["model"]
-    reference = _single_process_ddp_reference(read_shards(tmp_path / "shards"))
+    return folder
+
+
+def _train_ddp_checkpoint(folder: Path) -> ckpt.TrainingCheckpoint:
+    return ckpt.read_training_checkpoint(
+        ckpt.latest_checkpoint(folder / "out" / "checkpoints")
+    )
+
+
+@pytest.mark.slow
+def test_train_ddp_as_two_nodes_matches_one_process(two_node_ddp_run):
+    ddp = _train_ddp_checkpoint(two_node_ddp_run).trainer["model"]
+    reference = _single_process_ddp_reference(read_shards(two_node_ddp_run / "shards"))
     sizes = active_profile().devices
     worst = max((ddp[name] - reference[name]).abs().max().item() for name in reference)
     # The chapter's tolerance: 1% of lr x steps, the farthest a weight can move (see
@@ -437,3 +448,109 @@ def test_train_ddp_as_two_nodes_matches_one_process(tmp_path):
     assert worst <= 0.01 * sizes.lr * sizes.ddp_steps, (
         f"two nodes and one process differ by {worst:.3g}"
     )
+
+
+@pytest.mark.slow
+def test_train_ddp_seeds_each_rank_apart_and_saves_each_ranks_generators(
+    two_node_ddp_run,
+):
+    # Both ranks make the same draws (weights, no dropout): their generators still
+    # differ only if they started from different seeds.
+    rng = _train_ddp_checkpoint(two_node_ddp_run).rng
+    assert len(rng) == 2, f"expected the random states of 2 ranks, got {len(rng)}"
+    assert not torch.equal(rng[0]["torch_cpu"], rng[1]["torch_cpu"]), (
+        "both ranks saved the same torch generator state: seeded alike"
+    )
+
+
+# A job of two gloo ranks: a checkpoint saved and resumed by both, then FSDP2 with a
+# chunked loss. Rank 0 writes nothing the others need: each rank writes its own file.
+TWO_RANK_WORKER = r"""
+import dataclasses, json, os, sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from torchbook import checkpoint as ckpt
+from torchbook.distributed import cleanup_distributed, init_distributed, rank_slice
+from torchbook.models import GPT, GPTConfig
+from torchbook.train import TrainConfig, Trainer
+
+MODEL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32)
+TRAIN = dict(max_steps=3, lr=3e-3, warmup_steps=1, accum_steps=2, log_every=1)
+
+
+def batches(rank, step):
+    generator = torch.Generator().manual_seed(step)
+    x, y = torch.randint(0, 64, (2, 2, 4, 16), generator=generator)
+    return [(rank_slice(x[k], rank, 2), rank_slice(y[k], rank, 2)) for k in range(2)]
+
+
+def resumed_draws(rank, out):
+    # each rank its own seed, as examples/train_ddp.py seeds them
+    torch.manual_seed(7 + rank)
+    model = DDP(GPT(dataclasses.replace(MODEL, dropout=0.1)))
+    trainer = Trainer(model, TrainConfig(**TRAIN), "cpu")
+    trainer.train_step(batches(rank, 0))
+    ckpt.save_training_checkpoint(out / "ckpt", trainer.state_dict(), device="cpu")
+    dist.barrier()  # rank 0 has written the file
+    after_save = torch.rand(4).tolist()
+    ckpt.load_training_checkpoint(ckpt.latest_checkpoint(out / "ckpt"), trainer)
+    return {"after_save": after_save, "after_load": torch.rand(4).tolist()}
+
+
+def fsdp_losses(rank, loss_chunks):
+    torch.manual_seed(3)
+    model = GPT(MODEL)
+    for block in model.blocks:
+        fully_shard(block)
+    # the root frees its weights after its forward: the chunked head comes after it
+    fully_shard(model, reshard_after_forward=True)
+    trainer = Trainer(model, TrainConfig(**TRAIN, loss_chunks=loss_chunks), "cpu")
+    return [trainer.train_step(batches(rank, step)).loss.item() for step in range(3)]
+
+
+context = init_distributed("cpu")
+try:
+    out = Path(sys.argv[1])
+    result = resumed_draws(context.rank, out)
+    result["fsdp_losses"] = {k: fsdp_losses(context.rank, k) for k in (1, 2)}
+    (out / f"rank{context.rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+finally:
+    cleanup_distributed()
+sys.stdout.flush()
+os._exit(0)  # gloo's threads may abort a normal exit (see examples/train_ddp.py)
+"""
+
+
+@pytest.fixture(scope="module")
+def two_rank_worker_results(tmp_path_factory) -> list[dict]:
+    folder = tmp_path_factory.mktemp("two_rank_worker")
+    script = folder / "worker.py"
+    script.write_text(TWO_RANK_WORKER)
+    launch(torchrun_command(script, [folder]), timeout_s=JOB_TIMEOUT_S, cwd=ROOT)
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.slow
+def test_each_rank_resumes_its_own_generators_from_one_checkpoint(
+    two_rank_worker_results,
+):
+    for rank, result in enumerate(two_rank_worker_results):
+        assert result["after_load"] == result["after_save"], (
+            f"rank {rank} did not get its own generators back"
+        )
+    first, second = two_rank_worker_results
+    assert first["after_save"] != second["after_save"], "the ranks were seeded alike"
+
+
+@pytest.mark.slow
+def test_fsdp2_with_a_chunked_loss_trains_like_the_whole_head(two_rank_worker_results):
+    for rank, result in enumerate(two_rank_worker_results):
+        whole, chunked = result["fsdp_losses"]["1"], result["fsdp_losses"]["2"]
+        # the same float32 terms summed in two slices: a few ulps
+        np.testing.assert_allclose(chunked, whole, rtol=1e-5, err_msg=f"rank {rank}")

@@ -1,53 +1,47 @@
 """Exact resume: weights and training state, saved atomically, parsed whole before use.
 
 - **Weights** (``save_weights`` / ``load_weights``): a ``torch.save`` of the model's
-  ``state_dict``. To publish weights, see ``torchbook.weights`` (safetensors).
+  ``state_dict``; to publish weights, ``torchbook.weights`` writes safetensors.
 - **Training checkpoints** (``save_training_checkpoint`` /
-  ``load_training_checkpoint``): the trainer's ``state_dict()`` (model, optimizer,
-  scaler, step, skipped steps, history, steps not yet logged, config), the random
-  generators (Python, NumPy, torch's CPU generator and the training device's, if it is
-  an accelerator), the data position and the model config.
+  ``load_training_checkpoint``): the trainer's ``state_dict()``, every rank's random
+  generators (Python, NumPy, torch's CPU generator and the training accelerator's), the
+  data position and the model config.
 
 **What a load refuses, and what it trusts.** A load reads the whole file into one typed
-value (``TrainingCheckpoint``, whose trainer part the trainer parses into its own) and
-applies it only when every part is fit, so applying cannot fail half-way. Before
-anything changes it refuses, with a ``CheckpointError`` naming the file:
+value (``TrainingCheckpoint``; the trainer parses its own part) and applies it only when
+every part fits, so it cannot stop half-way. Before anything changes it refuses, with a
+``CheckpointError`` naming the file:
 
 - a file of another kind (the format tag and version): its dict would be misread;
-- a truncated or bit-rotted file (the zip's end record, every member's CRC, unless
-  ``verify=False`` or ``mmap=True``, where reading every byte first would defeat the
-  mapping): ``torch.load`` alone reads damaged tensor bytes without a word;
+- a truncated or bit-rotted file (the zip's end record, every member's CRC unless
+  ``verify=False`` or ``mmap=True``): ``torch.load`` reads damaged bytes silently;
 - a pickle that would run code (``weights_only=True``): unpickling can call anything;
-- another architecture (every key, shape and dtype of the model): ``load_state_dict``
-  copies every tensor that fits before it raises;
-- another optimizer layout (groups, parameters per group, ``amsgrad``, each moment's
-  shape): torch loads them, and the next step fails;
-- a missing or mistyped field of the envelope (step, history, RNG states, data position,
-  configs), or loss scaling switched on or off: applying it would stop half-way;
-- random states that do not restore here (each tried on a private generator; a device
-  generator of another kind than the trainer's device).
+- another architecture (each key, shape and dtype): ``load_state_dict`` copies every
+  tensor that fits before it raises;
+- another optimizer layout (groups, parameters, ``amsgrad``, moment shapes): torch
+  loads it, and the next step fails;
+- a missing or mistyped field (step, history, data position, configs), loss scaling
+  switched on or off, or random states that do not restore here (each tried on a
+  private generator; a generator of another device; another number of ranks).
 
-It does not re-check the values inside a file that this code wrote and whose CRCs hold
-(a learning rate, the numbers of a moment): a file crafted to be valid in format but
-wrong in content is out of scope. Files from strangers are weights, and their format is
-safetensors. Every file written goes through ``torchbook.files.atomic_write`` (a crash
-leaves the previous file whole), and only if ``weights_only`` can read it back. The
-module builds on ``torchbook.state_dicts`` (the model inside a compile or DDP wrapper,
-the key/shape/dtype check, and ``CheckpointError``, which the safetensors loaders of
-``torchbook.weights`` raise too).
+It does not re-check the values inside a file this code wrote whose CRCs hold: a file
+valid in format but crafted in content is out of scope; files from strangers are
+weights, in safetensors. Every file goes through ``torchbook.files.atomic_write`` (a
+crash leaves the previous file whole), and only if ``weights_only`` reads it back.
+Unwrapping, the key/shape/dtype check and ``CheckpointError`` come from
+``torchbook.state_dicts``.
 
-**Rotation keeps the newest written.** A checkpoint's name carries a save sequence
-beside its step (``ckpt-000007-step-00000042.pt``); "latest" and "keep the last N"
-follow the sequence, never the step or the file's time, so a run restarted from an older
-step keeps its new checkpoint. One process writes to a folder at a time.
+**Rotation keeps the newest written.** A name carries a save sequence beside its step
+(``ckpt-000007-step-00000042.pt``); "latest" and "keep the last N" follow the sequence,
+never the step or the file's time, so a run restarted from an older step keeps its new
+checkpoint. One process writes to a folder at a time.
 
-**What else exact resume depends on.** A deterministic run (same operations in the same
-order: ``torch.use_deterministic_algorithms(True)``, a fixed number of CPU threads, same
+**What else exact resume depends on.** A deterministic run
+(``torch.use_deterministic_algorithms(True)``, a fixed number of CPU threads, same
 device and versions). A ``DataLoader`` without a ``generator`` of its own draws a base
-seed from the *global* torch generator every time it is iterated, even without shuffling
-or workers: iterate it after ``restore_rng_state`` (or give it its own ``generator``)
-and restore its position from the data state, as ``examples/resume_demo.py`` does with
-its ``TokenStream``.
+seed from the *global* torch generator each time it is iterated: iterate it after
+``restore_rng_state``, and restore its position from the data state, as
+``examples/resume_demo.py`` does.
 """
 
 from __future__ import annotations
@@ -64,6 +58,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.serialization import get_unsafe_globals_in_checkpoint
 
@@ -77,8 +72,8 @@ from torchbook.state_dicts import (
 
 # Written into every training checkpoint so a file of another kind is recognised.
 TRAINING_FORMAT = "torchbook.training_checkpoint"
-# 4: the random states of the training device only; no scheduler of the Trainer's own
-TRAINING_FORMAT_VERSION = 4
+# 5: the random states of every rank, a list by rank; the trainer's fp16 skips in a row
+TRAINING_FORMAT_VERSION = 5
 CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d{6,})-step-(\d{8,})\.pt$")
 
 
@@ -112,29 +107,24 @@ def read_torch_file(
         )
     if not zipfile.is_zipfile(path):  # the archive's end record is missing
         raise CheckpointError(
-            f"{path}: truncated torch.save archive ({path.stat().st_size:,} bytes, no zip end "
-            "record); was the write interrupted?"
+            f"{path}: truncated torch.save archive ({path.stat().st_size:,} bytes, no "
+            "zip end record); was the write interrupted?"
         )
     if verify and (damage := _damaged_member(path)):
         raise CheckpointError(
-            f"{path}: corrupt torch.save file{damage}; the bytes changed after it was written"
+            f"{path}: corrupt torch.save file{damage}; its bytes changed since written"
         )
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     # weights_only met something other than tensors and plain values
     except pickle.UnpicklingError as error:
-        detail = next(
-            (
-                line.strip()
-                for line in str(error).splitlines()
-                if "global" in line.lower()
-            ),
-            _first_line(error),
-        )
+        named = [x.strip() for x in str(error).splitlines() if "global" in x.lower()]
+        detail = named[0] if named else _first_line(error)
         raise CheckpointError(
-            f"{path}: refused by torch.load(weights_only=True): the file holds objects other than "
-            "tensors and plain values, and rebuilding them could run code; load it with "
-            f"weights_only=False only if you made the file yourself. (torch: {detail})"
+            f"{path}: refused by torch.load(weights_only=True): the file holds objects "
+            "other than tensors and plain values, and rebuilding them could run code; "
+            "load it with weights_only=False only if you made the file yourself. "
+            f"(torch: {detail})"
         ) from error
     # RuntimeError, KeyError, ... for damage; OSError or MemoryError for the machine
     except Exception as error:
@@ -166,31 +156,26 @@ def _refuse(problems: list[str], message: str) -> None:
 
 
 def _write_torch(path: Path, value: Any) -> Path:
-    """``torch.save`` via ``atomic_write``, kept only if ``weights_only`` reads it back.
-
-    Errors name ``path``.
-    """
+    """``torch.save`` via ``atomic_write``; kept only if ``weights_only`` reads it."""
 
     def write(temporary: Path) -> None:
         torch.save(value, temporary)
         # torch's own weights_only allowlist
-        unreadable = get_unsafe_globals_in_checkpoint(temporary)
-        if unreadable:
+        if unreadable := get_unsafe_globals_in_checkpoint(temporary):
             raise CheckpointError(
-                f"{path}: not saved; torch.load(weights_only=True) could not read it back, "
-                f"as it holds {', '.join(unreadable)} (store tensors and plain values)"
+                f"{path}: not saved; torch.load(weights_only=True) could not read it "
+                f"back, as it holds {', '.join(unreadable)} (store tensors and plain "
+                "values)"
             )
 
     try:
         return atomic_write(path, write)
     # torch.save reports a full disk as a RuntimeError
-    except (
-        OSError,
-        RuntimeError,
-    ) as error:
+    except (OSError, RuntimeError) as error:
         raise CheckpointError(
-            f"{path}: could not be written ({type(error).__name__}: {_first_line(error)}); "
-            "is the disk full? The previous file, if any, is unchanged"
+            f"{path}: could not be written ({type(error).__name__}: "
+            f"{_first_line(error)}); is the disk full? The previous file, if any, is "
+            "unchanged"
         ) from error
 
 
@@ -220,7 +205,8 @@ def load_weights(
         state_dict = state_dict["trainer"]["model"]
     if not isinstance(state_dict, Mapping):
         raise CheckpointError(
-            f"{path}: holds a {type(state_dict).__name__}, expected a state_dict (a dict of tensors)"
+            f"{path}: holds a {type(state_dict).__name__}, expected a state_dict (a "
+            "dict of tensors)"
         )
     state_dict = unwrap_state_dict(state_dict)
     check_state_dict(model, state_dict, path)
@@ -242,11 +228,12 @@ def config_differences(
     saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None
 ) -> list[str]:
     """Fields whose values differ between two configuration dicts, as readable lines."""
-    saved, current = saved or {}, current or {}
+    saved, current, absent = saved or {}, current or {}, "<absent>"
     return [
-        f"{key}: {saved.get(key, '<absent>')!r} in the checkpoint, {current.get(key, '<absent>')!r} now"
+        f"{key}: {saved.get(key, absent)!r} in the checkpoint, "
+        f"{current.get(key, absent)!r} now"
         for key in sorted(set(saved) | set(current), key=str)
-        if saved.get(key, "<absent>") != current.get(key, "<absent>")
+        if saved.get(key, absent) != current.get(key, absent)
     ]
 
 
@@ -255,9 +242,8 @@ def capture_rng_state(device: torch.device | str) -> dict[str, Any]:
     """Global random states: Python, NumPy, torch's CPU, an accelerator ``device``'s.
 
     Only the training device's generator: a CPU run on a CUDA machine saves none, so it
-    resumes on any machine. NumPy's state holds an ndarray, which ``weights_only=True``
-    refuses: its 624 key words are stored as a list, which ``np.random.set_state`` takes
-    back as it is.
+    resumes on any machine. NumPy's 624 key words, an ndarray that ``weights_only=True``
+    refuses, are stored as a list, which ``np.random.set_state`` takes back as it is.
     """
     device = torch.device(device)
     algorithm, keys, position, has_gauss, cached = np.random.get_state(legacy=True)
@@ -283,16 +269,15 @@ def rng_state_problems(saved: Any) -> list[str]:
     """Why ``saved`` (``capture_rng_state``'s dict) cannot be restored; empty if it can.
 
     Each CPU state is tried on a private generator, so each library checks its own; a
-    device state must be a tensor. Whether the trainer's device can take it is
-    ``rng_device_problems``'s question.
+    device state must be a tensor (``rng_device_problems`` checks its kind).
     """
     try:
         random.Random().setstate(saved["python"])
         np.random.RandomState().set_state(tuple(saved["numpy"]))
         torch.Generator().set_state(saved["torch_cpu"])
         device_states = dict(saved["torch_device"])
-    except Exception as error:  # noqa: BLE001
-        # a wrong type, length or value: each library raises its own
+    # a missing key, a wrong type, length or value: each library raises its own
+    except (LookupError, TypeError, ValueError, RuntimeError) as error:
         return [f"rng: not restorable ({type(error).__name__}: {error})"]
     if not all(isinstance(state, torch.Tensor) for state in device_states.values()):
         return ["rng: a device generator's state must be a tensor"]
@@ -306,8 +291,8 @@ def rng_device_problems(
     kinds = sorted(saved["torch_device"])
     if kinds and kinds != [torch.device(device).type]:
         return [
-            f"rng: a {kinds[0]} generator state in the file, training on {device} here; "
-            "pass restore_rng=False to resume without the random states"
+            f"rng: a {kinds[0]} generator state in the file, training on {device} "
+            "here; pass restore_rng=False to resume without the random states"
         ]
     return []
 
@@ -324,6 +309,27 @@ def restore_rng_state(saved: Mapping[str, Any], device: torch.device | str) -> N
         torch.get_device_module(kind).set_rng_state(state, torch.device(device))
 
 
+def _rank_and_world_size() -> tuple[int, int]:
+    """This process's rank and the number of ranks; (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_rng_states(device: torch.device | str) -> list[dict[str, Any]]:
+    """Every rank's ``capture_rng_state``, by rank: a collective with several ranks.
+
+    Each rank draws its own dropout masks (seeded by its rank), so a resumed rank
+    needs its own generators back, not rank 0's.
+    """
+    mine, (_, world_size) = capture_rng_state(device), _rank_and_world_size()
+    if world_size == 1:
+        return [mine]
+    states: list[Any] = [None] * world_size
+    dist.all_gather_object(states, mine)  # the list is filled in place
+    return states
+
+
 # ------------------------------------------------------------ training checkpoints
 def checkpoint_name(sequence: int, step: int) -> str:
     """``ckpt-000007-step-00000042.pt``: the 7th save in its folder, after step 42."""
@@ -333,19 +339,12 @@ def checkpoint_name(sequence: int, step: int) -> str:
 def list_checkpoints(folder: str | Path) -> list[Path]:
     """The checkpoints in ``folder``, in the order saved (temporaries never match)."""
     folder = Path(folder)
-    found = (
-        [(CHECKPOINT_PATTERN.match(path.name), path) for path in folder.iterdir()]
-        if folder.is_dir()
-        else []
-    )
-    return [
-        path
-        for _, path in sorted(
-            (int(match.group(1)), path)
-            for match, path in found
-            if match and path.is_file()
-        )
+    found = [
+        (int(match.group(1)), path)
+        for path in (folder.iterdir() if folder.is_dir() else [])
+        if (match := CHECKPOINT_PATTERN.match(path.name)) and path.is_file()
     ]
+    return [path for _, path in sorted(found)]
 
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
@@ -362,43 +361,45 @@ def save_training_checkpoint(
     data_state: Mapping[str, Any] | None = None,
     model_config: Any = None,
     keep_last: int = 3,
-) -> Path:
+) -> Path | None:
     """Save the trainer's state, RNG states and data position; keep ``keep_last``.
 
     ``trainer_state`` is ``Trainer.state_dict()``; ``device`` is the training device,
     whose generator is saved beside the CPU's. Call it after an optimizer step, before
-    the next batch is drawn. The name takes the next sequence past every name in
-    ``folder`` that looks like a checkpoint. Nothing is written unless ``weights_only``
-    can read it back; older checkpoints are deleted only once the new one is durable,
-    never the new one.
+    the next batch is drawn; with several ranks, on every rank: each sends its random
+    states, rank 0 alone writes, and the others return None. The name takes the next
+    sequence past every checkpoint name in ``folder``. Nothing is written unless
+    ``weights_only`` can read it back; older checkpoints are deleted only once the new
+    one is durable, never the new one.
     """
     folder = Path(folder)
     if type(keep_last) is not int or keep_last < 1:
         raise CheckpointError(
-            f"{folder}: keep_last={keep_last!r}; must be an int >= 1, or the new checkpoint "
-            "would be deleted"
+            f"{folder}: keep_last={keep_last!r}; must be an int >= 1, or the new "
+            "checkpoint would be deleted"
         )
-    step = trainer_state["step"]  # Trainer.state_dict()'s int
+    rng = gather_rng_states(device)  # on every rank
+    if _rank_and_world_size()[0] != 0:
+        return None
     taken = [
         int(m.group(1))
         for m in map(CHECKPOINT_PATTERN.match, (p.name for p in folder.glob("ckpt-*")))
         if m
     ]
-    path = folder / checkpoint_name(max(taken, default=0) + 1, step)
+    path = folder / checkpoint_name(max(taken, default=0) + 1, trainer_state["step"])
     _write_torch(
         path,
         {
             "format": TRAINING_FORMAT,
             "format_version": TRAINING_FORMAT_VERSION,
             "trainer": dict(trainer_state),
-            "rng": capture_rng_state(device),
+            "rng": rng,
             "data": dict(data_state) if data_state is not None else None,
             "model_config": config_as_dict(model_config),
         },
     )
     stale = [old for old in list_checkpoints(folder)[:-keep_last] if old != path]
-    # from a crashed save
-    stale += [
+    stale += [  # temporaries of a crashed save
         left for left in folder.glob(".ckpt-*") if is_temporary(left) and left.is_file()
     ]
     for old in stale:
@@ -411,11 +412,9 @@ class TrainingCheckpoint:
     """A training checkpoint read whole, its envelope checked: what a load applies."""
 
     path: Path
-    # Trainer.state_dict(); the trainer parses it against itself (its layout, shapes)
-    trainer: dict[str, Any]
-    rng: dict[str, Any]  # capture_rng_state()'s dict, checked by rng_state_problems
-    # the data stream's state_dict: pass it to the stream's load_state_dict
-    data: dict[str, Any] | None
+    trainer: dict[str, Any]  # Trainer.state_dict(), parsed by the trainer itself
+    rng: list[dict[str, Any]]  # capture_rng_state()'s dict of each rank, by rank
+    data: dict[str, Any] | None  # the stream's state_dict, for its load_state_dict
     model_config: dict[str, Any] | None
 
     def config_changes(self, train_config: Any) -> list[str]:
@@ -429,15 +428,13 @@ def read_training_checkpoint(path: str | Path) -> TrainingCheckpoint:
     """Read a checkpoint (``weights_only``, CRCs checked), parse it; apply nothing."""
     path = Path(path)
     state = read_torch_file(path)
-    tag = (
-        (state.get("format"), state.get("format_version"))
-        if isinstance(state, Mapping)
-        else (None, None)
-    )
+    known = isinstance(state, Mapping)
+    tag = (state.get("format"), state.get("format_version")) if known else (None, None)
     if tag != (TRAINING_FORMAT, TRAINING_FORMAT_VERSION):
         raise CheckpointError(
-            f"{path}: not a training checkpoint this code reads: format {tag[0]!r} version "
-            f"{tag[1]!r}, expected {TRAINING_FORMAT!r} version {TRAINING_FORMAT_VERSION}"
+            f"{path}: not a training checkpoint this code reads: format {tag[0]!r} "
+            f"version {tag[1]!r}, expected {TRAINING_FORMAT!r} version "
+            f"{TRAINING_FORMAT_VERSION}"
         )
     problems = [
         f"{key!r}: {type(state.get(key)).__name__}, expected a dict"
@@ -448,14 +445,15 @@ def read_training_checkpoint(path: str | Path) -> TrainingCheckpoint:
         )
         if not isinstance(state.get(key), kinds)
     ]
-    problems += rng_state_problems(state.get("rng"))
+    rng = state.get("rng")
+    problems += (
+        [line for saved in rng for line in rng_state_problems(saved)]
+        if isinstance(rng, list) and rng
+        else [f"rng: a {type(rng).__name__}, expected a list of each rank's states"]
+    )
     _refuse(problems, f"{path}: not a usable training checkpoint; nothing was loaded")
     return TrainingCheckpoint(
-        path=path,
-        trainer=state["trainer"],
-        rng=state["rng"],
-        data=state["data"],
-        model_config=state["model_config"],
+        path, state["trainer"], state["rng"], state["data"], state["model_config"]
     )
 
 
@@ -468,25 +466,28 @@ def load_training_checkpoint(
 ) -> TrainingCheckpoint:
     """Restore ``trainer`` and global generators from ``path``; return what was read.
 
-    Parse, then apply: the file (``read_training_checkpoint``), the model configuration
-    (a different one is refused: the weights would not mean the same thing) and the RNG
-    states are checked first, then ``trainer.load_state_dict`` parses its own state
-    before it changes anything; the generators are set last, which cannot fail. The
-    caller restores its data position from the returned ``data``. A changed training
-    configuration (say a new learning rate) is applied by the trainer and listed by the
-    returned checkpoint's ``config_changes(trainer.config)``.
+    Parse, then apply: the file, the model configuration (a different one is refused:
+    the weights would not mean the same thing) and the RNG states are checked first,
+    then ``trainer.load_state_dict`` parses its own state before it changes anything;
+    each rank's own generators (saved by as many ranks) are set last, which cannot
+    fail. The caller restores its data position from the returned ``data``. A changed
+    training configuration (a new learning rate) is applied and listed by
+    ``config_changes(trainer.config)``.
     """
     checkpoint = read_training_checkpoint(path)
-    problems = (
-        rng_device_problems(checkpoint.rng, trainer.device) if restore_rng else []
-    )
+    rank, world_size = _rank_and_world_size()
+    problems = []
+    if restore_rng and len(checkpoint.rng) != world_size:
+        problems.append(
+            f"rng: the random states of {len(checkpoint.rng)} ranks in the file, "
+            f"{world_size} here; pass restore_rng=False to resume without them"
+        )
+    elif restore_rng:
+        problems += rng_device_problems(checkpoint.rng[rank], trainer.device)
     if model_config is not None:
-        problems += [
-            f"model configuration: {line}"
-            for line in config_differences(
-                checkpoint.model_config, config_as_dict(model_config)
-            )
-        ]
+        ours = config_as_dict(model_config)
+        changed = config_differences(checkpoint.model_config, ours)
+        problems += [f"model configuration: {line}" for line in changed]
     _refuse(problems, f"{checkpoint.path}: cannot be restored; nothing was loaded")
     try:
         trainer.load_state_dict(checkpoint.trainer)
@@ -495,5 +496,5 @@ def load_training_checkpoint(
             f"{checkpoint.path}: cannot be restored; nothing was loaded:\n  {error}"
         ) from error
     if restore_rng:
-        restore_rng_state(checkpoint.rng, trainer.device)
+        restore_rng_state(checkpoint.rng[rank], trainer.device)
     return checkpoint
