@@ -2,48 +2,35 @@
 
 The first tests run ``python examples/resume_demo.py`` (a byte-level GPT trained
 on Tiny Shakespeare with dropout, AdamW, a warmup-cosine schedule, one thread,
-deterministic algorithms) in subprocesses and compare what they leave behind.
-The last one resumes in the same process, in fp16 with skipped steps and a
-checkpoint between two log rows, cases the subprocess runs (fp32, a log row
-every step) never meet.
+deterministic algorithms) as a program, in subprocesses, and compare what they
+leave behind; the script is never imported. The last one resumes in the same
+process, in fp16 with skipped steps and a checkpoint between two log rows, cases
+the script's runs (fp32, a log row every step) never meet.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from torchbook import checkpoint as ckpt
 from torchbook.data import StreamConfig, TokenStream
+from torchbook.download import shakespeare_path
 from torchbook.files import is_temporary
 from torchbook.models import GPT, GPTConfig
+from torchbook.shards import write_shard
 from torchbook.train import TrainConfig, Trainer
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "resume_demo.py"
-
-
-def load_demo():
-    """examples/resume_demo.py as a module: it is a script, not part of the package."""
-    spec = importlib.util.spec_from_file_location("resume_demo", DEMO)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["resume_demo"] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-demo_module = load_demo()
-BYTE_VOCAB, Run, byte_shard = (
-    demo_module.BYTE_VOCAB,
-    demo_module.Run,
-    demo_module.byte_shard,
-)
 
 STEPS = 12
 SAVE_EVERY = 4
@@ -91,6 +78,18 @@ def assert_killed(process: subprocess.Popen) -> str:
         f"expected death by SIGKILL, got return code {code}:\n{output}"
     )
     return output
+
+
+def test_the_demo_runs_as_a_program_and_lists_its_options():
+    done = subprocess.run(
+        [sys.executable, str(DEMO), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    for option in ("--folder", "--resume", "--kill-after-checkpoint", "--lr"):
+        assert option in done.stdout, f"{option} missing from --help:\n{done.stdout}"
 
 
 @pytest.mark.slow
@@ -161,7 +160,7 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     )
 
 
-# --------------------------------------------- in one process: what Run.save must carry
+# ------------------------------------- in one process: what a checkpoint must carry
 
 IN_PROCESS_STEPS = 10
 # not a multiple of LOG_EVERY: the checkpoint falls between two log rows
@@ -180,57 +179,89 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def fp16_run(folder: Path, shard: Path) -> Run:
-    """A tiny fp16 run whose first steps GradScaler skips, logging every LOG_EVERY."""
-    model_config = GPTConfig(
-        vocab_size=BYTE_VOCAB,
-        block_size=16,
-        n_layer=1,
-        n_head=2,
-        d_model=32,
-        dropout=0.1,
-    )
-    train_config = TrainConfig(
-        max_steps=IN_PROCESS_STEPS,
-        lr=1e-3,
-        warmup_steps=2,
-        precision="fp16",
-        log_every=LOG_EVERY,
-    )
-    torch.manual_seed(0)
-    trainer = Trainer(GPT(model_config), train_config, torch.device("cpu"))
-    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=OVERFLOWING_SCALE)
-    stream = TokenStream(
-        [shard],
-        StreamConfig(block_size=16, batch_size=4, shuffle=True, seed=0, epochs=None),
-    )
-    return Run(
-        folder=folder,
-        model_config=model_config,
-        trainer=trainer,
-        stream=stream,
-        save_every=IN_PROCESS_SAVE_EVERY,
-        keep_last=2,
-    )
+@pytest.fixture
+def byte_shard(tmp_path) -> Path:
+    """Tiny Shakespeare as one shard of byte tokens."""
+    tokens = np.frombuffer(shakespeare_path().read_bytes(), dtype=np.uint8)
+    return write_shard(tmp_path / "bytes.bin", tokens, 256, "utf-8 bytes")
+
+
+@dataclass
+class Fp16Run:
+    """The loop of ``resume_demo.py`` in fp16: GradScaler skips its first steps.
+
+    It logs every LOG_EVERY steps and saves every IN_PROCESS_SAVE_EVERY, with the
+    count of batches drawn (skipped steps draw too) as the data state.
+    """
+
+    folder: Path
+    model_config: GPTConfig
+    trainer: Trainer
+    stream: TokenStream
+    batches_drawn: int = 0
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @classmethod
+    def start(cls, folder: Path, shard: Path) -> Fp16Run:
+        model_config = GPTConfig(
+            vocab_size=256, block_size=16, n_layer=1, n_head=2, d_model=32, dropout=0.1
+        )
+        train_config = TrainConfig(
+            max_steps=IN_PROCESS_STEPS,
+            lr=1e-3,
+            warmup_steps=2,
+            precision="fp16",
+            log_every=LOG_EVERY,
+        )
+        torch.manual_seed(0)
+        trainer = Trainer(GPT(model_config), train_config, torch.device("cpu"))
+        trainer.scaler = torch.amp.GradScaler("cpu", init_scale=OVERFLOWING_SCALE)
+        stream_config = StreamConfig(
+            block_size=16, batch_size=4, shuffle=True, seed=0, epochs=None
+        )
+        return cls(folder, model_config, trainer, TokenStream([shard], stream_config))
+
+    def resume(self) -> None:
+        path = ckpt.latest_checkpoint(self.folder)
+        resumed = ckpt.load_training_checkpoint(
+            path, self.trainer, model_config=self.model_config
+        )
+        self.stream.load_state_dict(resumed.data)
+        self.batches_drawn = resumed.data["batches_consumed"]
+
+    def train_until(self, until_step: int) -> None:
+        if self.batches is None:
+            self.batches = iter(self.stream)
+        while self.trainer.step < until_step:
+            micro_batches = [next(self.batches)]
+            self.batches_drawn += len(micro_batches)
+            result = self.trainer.train_step(micro_batches)
+            if not result.skipped and result.step % IN_PROCESS_SAVE_EVERY == 0:
+                ckpt.save_training_checkpoint(
+                    self.folder,
+                    self.trainer.state_dict(),
+                    device=self.trainer.device,
+                    data_state=self.stream.state_dict(self.batches_drawn),
+                    model_config=self.model_config,
+                )
 
 
 def test_resume_between_log_rows_after_skipped_steps_matches_an_uninterrupted_run(
-    tmp_path, one_thread
+    tmp_path, one_thread, byte_shard
 ):
     """Pending losses, skipped steps and the batches they drew survive a checkpoint."""
-    shard = byte_shard(tmp_path)
-    whole = fp16_run(tmp_path / "whole", shard)
+    whole = Fp16Run.start(tmp_path / "whole", byte_shard)
     whole.train_until(IN_PROCESS_STEPS)
     whole.trainer.log()
 
-    cut = fp16_run(tmp_path / "cut", shard)
+    cut = Fp16Run.start(tmp_path / "cut", byte_shard)
     cut.train_until(IN_PROCESS_SAVE_EVERY)
     assert cut.trainer.skipped_steps > 0, (
         "the demonstration needs fp16 steps that the scaler skipped"
     )
     # a fresh process would build the same objects
-    resumed = fp16_run(tmp_path / "cut", shard)
-    resumed.resume(ckpt.latest_checkpoint(tmp_path / "cut"))
+    resumed = Fp16Run.start(tmp_path / "cut", byte_shard)
+    resumed.resume()
     resumed.train_until(IN_PROCESS_STEPS)
     resumed.trainer.log()
 
