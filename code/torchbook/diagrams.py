@@ -165,8 +165,8 @@ def plot_broadcasting(
     (counted from the right, as broadcasting counts). A dimension that is
     already the result's size is blue; a size-1 or missing one, which
     broadcasting stretches without copying, is orange and reads ``1→n`` or ``·→n``.
-    The result is ``torch.broadcast_shapes``', so shapes that do not broadcast
-    raise torch's own error.
+    The result shape comes from ``torch.broadcast_shapes``, so shapes that do not
+    broadcast raise torch's own error.
     """
     figure, axes = plt.subplots(
         1,
