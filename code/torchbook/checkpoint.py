@@ -27,9 +27,9 @@ every part fits, so it cannot stop half-way. Before anything changes it refuses,
 It does not re-check the values inside a file this code wrote whose CRCs hold: a file
 valid in format but crafted in content is out of scope; files from strangers are
 weights, in safetensors. Every file goes through ``torchbook.files.atomic_write`` (a
-crash leaves the previous file whole), and only if ``weights_only`` reads it back.
-Unwrapping, the key/shape/dtype check and ``CheckpointError`` come from
-``torchbook.state_dicts``.
+crash leaves the previous file whole), and only if ``weights_only`` reads it back. The
+module builds on ``torchbook.state_dicts`` (unwrapping, the key/shape/dtype check,
+``CheckpointError``).
 
 **Rotation keeps the newest written.** A name carries a save sequence beside its step
 (``ckpt-000007-step-00000042.pt``); "latest" and "keep the last N" follow the sequence,
