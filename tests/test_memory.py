@@ -7,7 +7,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from torchbook.flops import count_training_flops, flops_per_token
 from torchbook.gpu_fit import fit_table, gpu_run_peaks
 from torchbook.memory import (
     FIT_SHARE,
@@ -414,16 +413,6 @@ def test_the_calculator_has_help(capsys):
         main(["--help"])
     assert exit.value.code == 0
     assert "--loss-chunks" in capsys.readouterr().out
-
-
-def test_flops_per_token_equal_the_flop_counters():
-    model, idx, targets = model_and_batch(CONFIG, SHAPE)
-    counted = count_training_flops(model, idx, targets, "fp32")
-    # Exact: both count the same matmuls (the counter on the math path of attention).
-    assert (
-        counted
-        == flops_per_token(CONFIG, SHAPE.seq_len) * SHAPE.batch_size * SHAPE.seq_len
-    )
 
 
 def test_a_bad_precision_sharding_or_lever_is_refused_by_name():
