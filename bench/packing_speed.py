@@ -1,6 +1,6 @@
 """Training speed of chat examples padded against packed with per-document masks.
 
-Chapter 4 packs Tiny Shakespeare chat records (a speech, then the speech that
+Chapter 8 packs Tiny Shakespeare chat records (a speech, then the speech that
 answers it) into rows with ``pack_documents`` and shows that each one's loss is
 the same as alone. This bench times what packing buys: one forward and backward
 pass of the book's GPT (the profile's language-model shape) over every
@@ -10,6 +10,13 @@ conversation. It prints useful tokens per second (conversation tokens, not
 positions, over the time) and the time per computed position, each the median
 of ``--rounds`` alternated rounds, so a change in the machine's load reaches
 both methods alike.
+
+Packing saves positions, but attention's cost grows with the square of a row's
+length: a padded batch of short conversations has short rows, a packed row is as
+long as the longest conversation. So the bench also counts the attention scores
+each layout puts in its ``(T, T)`` matrices per head and layer (the masked ones
+included, since SDPA given a boolean mask is handed the whole matrix), beside the
+positions.
 
 Run: ``.venv/bin/python bench/packing_speed.py`` (``--help`` for sizes).
 """
@@ -35,7 +42,7 @@ from torchbook.tokenizer import PAD, cached_tokenizer
 
 
 def conversations(records: int, vocab_size: int) -> tuple[list[dict], int]:
-    """Chat examples from Tiny Shakespeare, as chapter 4 builds them, and the pad id."""
+    """Chat examples from Tiny Shakespeare, as chapter 8 builds them, and the pad id."""
     text = shakespeare_path().read_text()
     tokenizer = cached_tokenizer(
         cache_dir() / "bench" / f"tokenizer-{vocab_size}.json",
@@ -71,6 +78,11 @@ def packed_batches(examples: list[dict], batch_size: int, pad_id: int) -> list:
         packing = {k: part[k] for k in ("position_ids", "document_ids")}
         batches.append((part["tokens"], part["targets"], packing))
     return batches
+
+
+def attention_scores(batches: list) -> int:
+    """Entries of the (T, T) score matrices of every row, per head and layer."""
+    return sum(tokens.size(0) * tokens.size(1) ** 2 for tokens, _, _ in batches)
 
 
 def seconds_for_one_pass(model: GPT, batches: list, device: torch.device) -> float:
@@ -114,9 +126,10 @@ def main() -> None:
         )
     ).to(profile.device)
     useful = sum(len(e["input_ids"]) for e in examples)
+    machine = platform.processor() or platform.machine()
     print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
-        f"torch {torch.__version__}, {args.threads} thread(s), device {profile.device}"
+        f"machine: {machine}, {os.cpu_count()} cpus, torch {torch.__version__}, "
+        f"{args.threads} thread(s), device {profile.device}"
     )
     print(
         f"{len(examples)} conversations, {useful:,} tokens; GPT {profile.lm.n_layer} "
@@ -128,15 +141,22 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, batches in methods.items():
             seconds[name].append(seconds_for_one_pass(model, batches, profile.device))
+    positions, scores = {}, {}
     for name, batches in methods.items():
-        positions = sum(tokens.numel() for tokens, _, _ in batches)
+        positions[name] = sum(tokens.numel() for tokens, _, _ in batches)
+        scores[name] = attention_scores(batches)
         median = statistics.median(seconds[name])
         print(
-            f"{name}: {positions:>8,} positions, {useful / median:>10,.0f} useful "
-            f"tokens/s, {median / positions * 1e6:.2f} us per position "
+            f"{name}: {positions[name]:>8,} positions, {scores[name]:>12,} attention "
+            f"scores, {useful / median:>10,.0f} useful tokens/s, "
+            f"{median / positions[name] * 1e6:.2f} us per position "
             f"(rounds {min(seconds[name]):.2f}-{max(seconds[name]):.2f} s)"
         )
     ratio = statistics.median(seconds["padded"]) / statistics.median(seconds["packed"])
+    print(
+        f"padded over packed: {positions['padded'] / positions['packed']:.2f}x the "
+        f"positions, {scores['padded'] / scores['packed']:.2f}x the attention scores"
+    )
     print(f"packed over padded, useful tokens per second: {ratio:.2f}x")
 
 

@@ -91,7 +91,7 @@ def documents(lengths, seed=0, vocab_size=50):
     return [{"input_ids": d, "labels": d} for d in ids]
 
 
-def test_pack_documents_keeps_each_example_whole_with_positions_from_0_and_next_token_targets():
+def test_pack_documents_keeps_examples_whole_positions_from_0_next_token_targets():
     examples = [
         chat_example(MESSAGES[:2], char_encode),
         chat_example(MESSAGES[2:], char_encode),

@@ -53,7 +53,8 @@ class TokenDataset(Dataset):
     def __init__(self, tokens: Sequence[int], block_size: int) -> None:
         if block_size <= 0 or len(tokens) < block_size + 1:
             raise ShardError(
-                f"TokenDataset: block_size={block_size} needs {block_size + 1} tokens; got {len(tokens)}"
+                f"TokenDataset: block_size={block_size} needs {block_size + 1} "
+                f"tokens; got {len(tokens)}"
             )
         self.tokens, self.block_size = tokens, block_size
 
@@ -108,8 +109,9 @@ class TokenStream(IterableDataset):
             or not 0 <= config.rank < config.world_size
         ):
             raise ShardError(
-                f"TokenStream: {len(shards)} shards and {config}; expected at least one shard, positive "
-                "block_size and batch_size, and 0 <= rank < world_size"
+                f"TokenStream: {len(shards)} shards and {config}; expected at least "
+                "one shard, positive block_size and batch_size, and "
+                "0 <= rank < world_size"
             )
         self.headers, names = (
             [read_header(p) for p in self.paths],
@@ -117,7 +119,8 @@ class TokenStream(IterableDataset):
         )
         if len(kinds := {(h.tokenizer, h.vocab_size) for h in self.headers}) > 1:
             raise ShardError(
-                f"{names}: ids of {len(kinds)} tokenizers {sorted(kinds)}; a stream reads one tokenizer's"
+                f"{names}: ids of {len(kinds)} tokenizers {sorted(kinds)}; a stream "
+                "reads one tokenizer's"
             )
         counts = np.array([h.num_tokens for h in self.headers], dtype=np.int64)
         # A block needs block_size + 1 tokens; consecutive blocks share one token.
@@ -140,8 +143,9 @@ class TokenStream(IterableDataset):
         self.batches_per_epoch = self.num_blocks // per_step  # on each rank
         if self.batches_per_epoch == 0:
             raise ShardError(
-                f"{names}: {self.num_blocks:,} blocks of block_size={block} (each needs {block + 1} tokens"
-                f" in a shard; the longest has {counts.max():,}), under one step of {per_step} blocks"
+                f"{names}: {self.num_blocks:,} blocks of block_size={block} (each "
+                f"needs {block + 1} tokens in a shard; the longest has "
+                f"{counts.max():,}), under one step of {per_step} blocks"
             )
         self.dropped_blocks_per_epoch = (
             self.num_blocks - self.batches_per_epoch * per_step
@@ -173,8 +177,8 @@ class TokenStream(IterableDataset):
         expected = self.state_dict(0)
         if not isinstance(state, dict) or set(state) != set(expected):
             raise ValueError(
-                f"stream state {state!r:.80} lacks or adds to the keys {sorted(expected)} of "
-                "TokenStream.state_dict"
+                f"stream state {state!r:.80} lacks or adds to the keys "
+                f"{sorted(expected)} of TokenStream.state_dict"
             )
         differs = [
             f"{key} saved {state[key]!r} but this stream has {value!r}"
@@ -243,8 +247,9 @@ class TokenStream(IterableDataset):
             tokens = open_shard(path)
             if (len(tokens), tokens.dtype.name) != (header.num_tokens, header.dtype):
                 raise ShardError(
-                    f"{path}: holds {len(tokens):,} {tokens.dtype} tokens, but {header.num_tokens:,} "
-                    f"{header.dtype} when this stream was built; it was rewritten: build a new stream"
+                    f"{path}: holds {len(tokens):,} {tokens.dtype} tokens, but "
+                    f"{header.num_tokens:,} {header.dtype} when this stream was built; "
+                    "it was rewritten: build a new stream"
                 )
             views.append(
                 np.lib.stride_tricks.as_strided(
@@ -267,7 +272,7 @@ class TokenStream(IterableDataset):
         # the common case with large shards: one gather of whole rows
         if shard_of[0] == shard_of[-1]:
             rows = self._blocks[shard_of[0]][row_of]
-        else:  # one gather per shard (np.take would first copy the whole overlapping view)
+        else:  # one gather per shard (np.take would copy the whole overlapping view)
             # where the shard changes
             cuts = [
                 0,

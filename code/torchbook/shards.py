@@ -32,7 +32,8 @@ from torchbook.files import TEMPORARY_MARKER, atomic_write, atomic_write_text
 
 SHARD_FORMAT = "torchbook-token-shard"
 SHARD_VERSION = 2  # version 1 kept the header in a .json file beside the .bin
-HEADER_BYTES = 1024  # the JSON header, padded with spaces; the ids start here, aligned for uint16 and uint32
+# The JSON header, padded with spaces; the ids start here, aligned for any id dtype.
+HEADER_BYTES = 1024
 UINT16_VOCAB_LIMIT = 1 << 16  # ids 0..65535 fit in two bytes
 
 
@@ -80,21 +81,23 @@ def write_shard(
         or not 0 < vocab_size <= 1 << 32
     ):
         raise ShardError(
-            f"{path}: expected a .bin path, non-empty 1-D integer ids, vocab_size an int in 1..2**32 and "
-            f"a tokenizer's name; got {ids.shape} {ids.dtype}, {vocab_size=!r:.20}, {tokenizer=!r:.16}"
+            f"{path}: expected a .bin path, non-empty 1-D integer ids, vocab_size an "
+            f"int in 1..2**32 and a tokenizer's name; got {ids.shape} {ids.dtype}, "
+            f"{vocab_size=!r:.20}, {tokenizer=!r:.16}"
         )
     dtype = token_dtype(vocab_size)
     if (bad := np.flatnonzero((ids < 0) | (ids >= vocab_size))).size:
         raise ShardError(
-            f"{path}: token id {int(ids[bad[0]])} at position {bad[0]:,} is outside the vocabulary "
-            f"[0, {vocab_size}); nothing was written"
+            f"{path}: token id {int(ids[bad[0]])} at position {bad[0]:,} is outside "
+            f"the vocabulary [0, {vocab_size}); nothing was written"
         )
     header = json.dumps(
         asdict(ShardHeader(dtype.name, int(ids.size), vocab_size, tokenizer))
     ).encode("utf-8")
     if len(header) >= HEADER_BYTES:
         raise ShardError(
-            f"{path}: a {len(header):,}-byte header does not fit in {HEADER_BYTES:,}; shorten tokenizer"
+            f"{path}: a {len(header):,}-byte header does not fit in {HEADER_BYTES:,}; "
+            "shorten tokenizer"
         )
 
     def write(temporary: Path) -> None:
@@ -121,7 +124,8 @@ def _read_header(path: Path) -> tuple[ShardHeader, np.memmap]:
             f"{path}: shard file is missing (expected a .bin written by write_shard)"
         ) from None
     with handle:
-        try:  # not UTF-8 or JSON, a field missing or unknown, a vocabulary that is not an int in range
+        # not UTF-8 or JSON, a field missing or unknown, a vocabulary out of range
+        try:
             entry = json.loads(handle.read(HEADER_BYTES).decode("utf-8"))
             header = ShardHeader(**entry)
             stored = token_dtype(header.vocab_size).name
@@ -139,14 +143,23 @@ def _read_header(path: Path) -> tuple[ShardHeader, np.memmap]:
             or min(header.num_tokens, header.vocab_size) <= 0
         ):
             raise ShardError(
-                f"{path}: header {entry!r:.200} is not one write_shard writes: format {SHARD_FORMAT!r} "
-                f"version {SHARD_VERSION}, dtype {stored} for this vocabulary, counts > 0"
+                f"{path}: header {entry!r:.200} is not one write_shard writes: format "
+                f"{SHARD_FORMAT!r} version {SHARD_VERSION}, dtype {stored} for this "
+                "vocabulary, counts > 0"
             )
         expected = HEADER_BYTES + header.num_tokens * np.dtype(header.dtype).itemsize
         if (actual := os.fstat(handle.fileno()).st_size) != expected:
+            # An interrupted write leaves a shorter file; a longer one was changed
+            # after write_shard (wider ids, data appended).
+            cause = (
+                "; was the write interrupted?"
+                if actual < expected
+                else ", more than its header says; were the ids rewritten or appended?"
+            )
             raise ShardError(
-                f"{path}: header says {header.num_tokens:,} {header.dtype} tokens ({expected:,} bytes "
-                f"with the header) but the file has {actual:,} bytes; was the write interrupted?"
+                f"{path}: header says {header.num_tokens:,} {header.dtype} tokens "
+                f"({expected:,} bytes with the header) but the file has {actual:,} "
+                f"bytes{cause}"
             )
         return header, np.memmap(
             handle,
@@ -172,8 +185,8 @@ def open_shard(path: Path | str, check_ids: bool = False) -> np.memmap:
     header, tokens = _read_header(Path(path))
     if check_ids and (bad := np.flatnonzero(tokens >= header.vocab_size)).size:
         raise ShardError(
-            f"{path}: token id {int(tokens[bad[0]])} at position {bad[0]:,} is outside the vocabulary "
-            f"[0, {header.vocab_size}) that its header declares"
+            f"{path}: token id {int(tokens[bad[0]])} at position {bad[0]:,} is outside "
+            f"the vocabulary [0, {header.vocab_size}) that its header declares"
         )
     return tokens
 
@@ -205,7 +218,8 @@ def write_shards(
         or ids.size == 0
     ):
         raise ShardError(
-            f"{folder}: {tokens_per_shard=!r} and ids of shape {ids.shape}; expected an int > 0, 1-D ids"
+            f"{folder}: {tokens_per_shard=!r} and ids of shape {ids.shape}; expected "
+            "an int > 0 and 1-D ids"
         )
     index = index_path(folder, prefix)
     index.unlink(missing_ok=True)
@@ -257,7 +271,8 @@ def _read_index(folder: Path, prefix: str) -> tuple[list[Path], list[ShardHeader
         RecursionError,
     ) as error:
         raise ShardError(
-            f"{index}: no index of .bin files in its folder, as write_shards writes ({error})"
+            f"{index}: no index of .bin files in its folder, as write_shards writes "
+            f"({error})"
         ) from None
     paths = [folder / name for name in names]
     headers = [read_header(path) for path in paths]
@@ -269,8 +284,9 @@ def _read_index(folder: Path, prefix: str) -> tuple[list[Path], list[ShardHeader
         (entry.get("vocab_size"), entry.get("tokenizer"))
     } or total != entry.get("num_tokens"):
         raise ShardError(
-            f"{index}: says {entry.get('num_tokens')!r} tokens of tokenizer {entry.get('tokenizer')!r} "
-            f"({entry.get('vocab_size')!r} ids), but its shards hold {total:,} of {sorted(kinds)}"
+            f"{index}: says {entry.get('num_tokens')!r} tokens of tokenizer "
+            f"{entry.get('tokenizer')!r} ({entry.get('vocab_size')!r} ids), but its "
+            f"shards hold {total:,} of {sorted(kinds)}"
         )
     return paths, headers
 
