@@ -481,15 +481,15 @@ DAMAGES = {
     "data-not-a-dict": (lambda s: s.update(data=[4]), r"'data': list, expected a dict"),
     "no-rng": (
         lambda s: s.pop("rng"),
-        r"rng: a NoneType, expected a list of each rank's states",
+        r"rng: None, expected a list of each rank's states",
     ),
     "rng-of-no-rank": (
         lambda s: s.update(rng=[]),
-        r"rng: a list, expected a list of each rank's states",
+        r"rng: \[\], expected a list of each rank's states",
     ),
     "rng-a-dict": (
         lambda s: s.update(rng=s["rng"][0]),
-        r"rng: a dict, expected a list",
+        r"rng: \{'python': .*, expected a list",
     ),
     "rng-of-two-ranks": (
         lambda s: s["rng"].append(s["rng"][0]),

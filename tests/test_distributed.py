@@ -1,9 +1,11 @@
 """Distributed training run for real: two gloo ranks under torchrun, against one.
 
-The two-rank job (``examples/parallel_checks.py``) runs once per module: DDP,
-then FSDP2, on the same global batches, then a DCP checkpoint. Every launch
-goes through ``torchbook.distributed.launch``, which kills every process of the
-job on a timeout or a failure, so a failing test leaves no workers.
+Each two-rank job runs once per module: ``examples/parallel_checks.py`` (DDP, then
+FSDP2, on the same global batches, then a DCP checkpoint), ``examples/train_ddp.py``
+as two nodes, and a worker of this file's own (a training checkpoint saved and
+resumed by both ranks, FSDP2 with a chunked loss). Every launch goes through
+``torchbook.distributed.launch``, which kills every process of the job on a timeout
+or a failure, so a failing test leaves no workers.
 """
 
 import json
@@ -463,8 +465,8 @@ def test_train_ddp_seeds_each_rank_apart_and_saves_each_ranks_generators(
     )
 
 
-# A job of two gloo ranks: a checkpoint saved and resumed by both, then FSDP2 with a
-# chunked loss. Rank 0 writes nothing the others need: each rank writes its own file.
+# A job of two gloo ranks: a training checkpoint saved and resumed by both, then FSDP2
+# with a chunked loss. Each rank writes what it saw to a file of its own.
 TWO_RANK_WORKER = r"""
 import dataclasses, json, os, sys
 from pathlib import Path

@@ -446,11 +446,10 @@ def read_training_checkpoint(path: str | Path) -> TrainingCheckpoint:
         if not isinstance(state.get(key), kinds)
     ]
     rng = state.get("rng")
-    problems += (
-        [line for saved in rng for line in rng_state_problems(saved)]
-        if isinstance(rng, list) and rng
-        else [f"rng: a {type(rng).__name__}, expected a list of each rank's states"]
-    )
+    if isinstance(rng, list) and rng:
+        problems += [line for saved in rng for line in rng_state_problems(saved)]
+    else:
+        problems.append(f"rng: {rng!r:.40}, expected a list of each rank's states")
     _refuse(problems, f"{path}: not a usable training checkpoint; nothing was loaded")
     return TrainingCheckpoint(
         path, state["trainer"], state["rng"], state["data"], state["model_config"]
