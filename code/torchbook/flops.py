@@ -30,9 +30,9 @@ from torchbook.memory_measure import training_loss, training_step
 from torchbook.models import GPTConfig
 
 aten = torch.ops.aten
-# (T, T) products per token, layer and head, forward and backward: q @ k^T and
-# weights @ v forward, two gradients of each backward; the fused kernels keep no
-# scores, so their backward first recomputes q @ k^T.
+# Attention's (T, T) products in a training step: q @ k^T and weights @ v forward,
+# two gradients of each backward; the fused kernels keep no scores, so their
+# backward first recomputes q @ k^T.
 ATTENTION_PRODUCTS = {"math": 2 + 4, "fused": 2 + 5}
 SDPA_BACKENDS = {
     "math": [SDPBackend.MATH],
