@@ -74,6 +74,9 @@ class LanguageModelSizes:
     sample_tokens: int = size(cpu=300, gpu=500)  # characters generated after training
     plain_steps: int = 100  # steps of the chapter's plain loop (constant learning rate)
     clip_demo_steps: int = 40  # steps of each run of the clipping demonstration
+    # the bf16-loss demonstration's vocabulary: GPT-2's, rounded up to a multiple of
+    # 64, as chapter 7's gpu runs use it (an LLM's vocabulary, not the characters')
+    loss_vocab_size: int = 50_304
 
 
 @dataclass(frozen=True)
