@@ -8,26 +8,34 @@ and writes one file per run, ``<run>-<profile>.json``, into ``--out``
 (``assets/results/``). With the cpu profile it writes the same files from the
 small sizes; ``--max-steps`` shortens the language-model run further.
 
-``--dry-run`` (``make gpu-results DRY_RUN=1``) needs no GPU and computes
-nothing at full size: it runs each run's training step at the gpu profile's
-sizes and precision on fake tensors (``torchbook.dry_run``), which meets every
-shape, config and autocast cast, prints the step's peak memory as tracked
-beside the book's formula for it, and writes those numbers in the results
-format, as ``<run>-gpu-dry-run.json`` files marked ``dry_run``, which the
-chapters never read.
+``--dry-run`` (``make gpu-results DRY_RUN=1``) needs no GPU: it calls the
+same run functions at the gpu profile's shapes and precision on fake tensors
+(``torchbook.dry_run``), which have shapes but no data, so a change that
+breaks the GPU job breaks the dry run too. It keeps every shape and cuts every
+count (two optimizer steps, two validation batches, a few batches per lab
+epoch, one timed step) and runs the language model in fp16 too, the
+precision of a GPU without bf16. What cannot run on fake tensors it switches,
+and prints the list: values read from the model are a placeholder, and the
+compile runs trace with aot_eager instead of generating Inductor's kernels.
+Its files, ``<run>-gpu-dry-run.json``, are marked ``dry_run``; the chapters
+never read them.
 
-Each file records the hashes of the sources it depends on; the appendix lists
-the files with the device and date each was made on, and whether its code has
-changed since.
+Each file records the hashes of the sources its run depends on, derived from
+the names the run function uses (``torchbook.results.run_sources``); the
+appendix lists the files with the device and date each was made on, and
+whether its code has changed since.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,7 +50,7 @@ from torchbook.charlm import (
 )
 from torchbook.device import AUTOCAST_DTYPES, timed
 from torchbook.download import repository_root, shakespeare_path
-from torchbook.dry_run import FAKE_DEVICE, fake_peak_bytes, gpu_steps
+from torchbook.dry_run import FAKE_DEVICE, SWITCHED, FakeRun, fake_run
 from torchbook.flops import matmul_flops_per_second, throughput_metrics
 from torchbook.lab import load_data, run_drills
 from torchbook.memory import TrainingShape, predict_peak
@@ -55,25 +63,52 @@ from torchbook.profiles import (
     Profile,
     active_profile,
     gpu_profile,
+    make_profile,
 )
-from torchbook.results import history_series, make_provenance, write_result
+from torchbook.results import (
+    history_series,
+    import_closure,
+    make_provenance,
+    read_result,
+    run_sources,
+    write_result,
+)
+
+SCRIPT = "examples/gpu_results.py"  # a source of every run
 
 
 class Output(NamedTuple):
-    """Where a run writes its file, and whether the file is a dry run's."""
+    """Where a run writes its file, and the dry run's mode if it is one."""
 
     folder: Path
-    dry_run: bool = False
+    fake: FakeRun | None = None  # a dry run: its numbers are of fake tensors
 
     def path(self, run: str, profile: Profile) -> Path:
-        return (
-            self.folder
-            / f"{run}-{profile.name}{'-dry-run' if self.dry_run else ''}.json"
-        )
+        suffix = "-dry-run" if self.fake else ""
+        return self.folder / f"{run}-{profile.name}{suffix}.json"
 
     def write(
-        self, run: str, profile: Profile, metrics: dict, history: dict, provenance: dict
+        self,
+        run: str,
+        profile: Profile,
+        metrics: dict,
+        history: dict,
+        function: Callable,
+        seconds: float,
     ) -> Path:
+        """The results file of ``function``'s run, with its sources' hashes."""
+        sources = run_sources(function, SCRIPT, repository_root())
+        if self.fake:  # the dry run's own code, and what it measured
+            dry_run = import_closure(["torchbook.dry_run"], repository_root())
+            sources = sorted({*sources, *dry_run})
+            metrics = {
+                **metrics,
+                "dry_run.peak_bytes": self.fake.peak,
+                "dry_run.placeholder_reads": sum(self.fake.placeholders.values()),
+            }
+        provenance = make_provenance(
+            profile.device, repository_root(), sources, seconds
+        )
         return write_result(
             self.path(run, profile),
             run,
@@ -81,18 +116,26 @@ class Output(NamedTuple):
             metrics,
             history,
             provenance,
-            dry_run=self.dry_run,
+            dry_run=self.fake is not None,
         )
 
+    def footprint(
+        self,
+        step: Callable[[], object],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+    ) -> int:
+        """Peak bytes of ``step()`` with the parameters and optimizer states.
 
-# What each run's numbers depend on: a change to any of these makes its file stale.
-LM_SOURCES = (
-    "code/torchbook/charlm.py",
-    "code/torchbook/models.py",
-    "code/torchbook/train.py",
-    "code/torchbook/profiles.py",
-    "examples/gpu_results.py",
-)
+        A dry run counts every fake tensor alive at the step's peak, the
+        buffers and the batch too.
+        """
+        if self.fake:
+            return self.fake.live + self.fake.peak_bytes(step)
+        states = state_bytes(model, optimizer)
+        existing = states["parameters"] + states["optimizer_states"]
+        return existing + peak_bytes(step, device)
 
 
 def shorter(sizes: LanguageModelSizes, max_steps: int) -> LanguageModelSizes:
@@ -125,10 +168,8 @@ def run_language_model(
         "unigram_baseline": unigram_baseline(corpus),
         "tokens_per_second": history[-1]["tokens_per_second"],
     }
-    provenance = make_provenance(
-        profile.device, repository_root(), LM_SOURCES, time.perf_counter() - started
-    )
-    path = out.write("lm", profile, metrics, series, provenance)
+    seconds = time.perf_counter() - started
+    path = out.write("lm", profile, metrics, series, run_language_model, seconds)
     print(
         f"lm: {run.trainer.step} steps in {run.train_seconds:.1f} s, validation loss "
         f"{metrics['final_val_loss']:.3f} nats/char -> {path}",
@@ -137,16 +178,6 @@ def run_language_model(
     return path
 
 
-RUNS = ("lm", "lab", "compile", "memory")
-
-
-COMPILE_SOURCES = (
-    "code/torchbook/charlm.py",
-    "code/torchbook/models.py",
-    "code/torchbook/train.py",
-    "code/torchbook/profiles.py",
-    "examples/gpu_results.py",
-)
 COMPILE_WARMUP_STEPS = 3  # after the first step: the allocator and caches settle
 # steady steps timed per model, eager and compiled taking turns
 COMPILE_TIMED_STEPS = 30
@@ -211,15 +242,11 @@ def run_compile(
         name: {"step": [float(i + 1) for i in range(timed_steps)], "seconds": times}
         for name, times in steps.items()
     }
-    provenance = make_provenance(
-        profile.device,
-        repository_root(),
-        COMPILE_SOURCES,
-        time.perf_counter() - started,
-    )
-    path = out.write("compile", profile, metrics, history, provenance)
+    seconds = time.perf_counter() - started
+    path = out.write("compile", profile, metrics, history, run_compile, seconds)
     print(
-        f"compile: {metrics['speedup']:.2f}x steady-state, compilation {metrics['compile_s']:.1f} s -> {path}",
+        f"compile: {metrics['speedup']:.2f}x steady-state, "
+        f"compilation {metrics['compile_s']:.1f} s -> {path}",
         flush=True,
     )
     return path
@@ -227,42 +254,34 @@ def run_compile(
 
 # ----- the lab: chapter 9's seven drills at the profile's sizes -----
 
-LAB_SOURCES = (
-    "code/torchbook/lab.py",
-    "code/torchbook/mnist.py",
-    "code/torchbook/optim.py",
-    "code/torchbook/profiles.py",
-    "examples/gpu_results.py",
-)
 
+def run_lab(
+    out: Output, profile: Profile, sizes: LabSizes, train_examples: int | None = None
+) -> Path:
+    """The seven drills at ``sizes``; numbers, histories to ``lab-<profile>.json``.
 
-def run_lab(out: Output, profile: Profile, sizes: LabSizes) -> Path:
-    """The seven drills at ``sizes``; numbers, histories to ``lab-<profile>.json``."""
+    ``train_examples`` cuts MNIST's training split (the dry run's few steps).
+    """
     started = time.perf_counter()
     data = load_data(profile.device)
+    if train_examples is not None:
+        data = dataclasses.replace(
+            data,
+            train_images=data.train_images[:train_examples],
+            train_labels=data.train_labels[:train_examples],
+        )
     metrics, series = run_drills(data, sizes, profile)
-    provenance = make_provenance(
-        profile.device, repository_root(), LAB_SOURCES, time.perf_counter() - started
-    )
-    path = out.write("lab", profile, metrics, series, provenance)
+    seconds = time.perf_counter() - started
+    path = out.write("lab", profile, metrics, series, run_lab, seconds)
     print(
-        f"lab: {metrics['drill1.accuracy']:.2%} after {sizes.epochs} epochs, compile speedup "
-        f"{metrics['drill2.speedup']:.2f}x -> {path}",
+        f"lab: {metrics['drill1.accuracy']:.2%} after {sizes.epochs} epochs, "
+        f"compile speedup {metrics['drill2.speedup']:.2f}x -> {path}",
         flush=True,
     )
     return path
 
 
 # ----- chapter 7: memory, throughput and MFU of a GPT-2-sized model -----
-
-MEMORY_SOURCES = (
-    "code/torchbook/memory.py",
-    "code/torchbook/memory_measure.py",
-    "code/torchbook/flops.py",
-    "code/torchbook/models.py",
-    "code/torchbook/profiles.py",
-    "examples/gpu_results.py",
-)
 
 
 def run_memory(out: Output, profile: Profile, sizes: MemorySizes) -> Path:
@@ -289,14 +308,11 @@ def run_memory(out: Output, profile: Profile, sizes: MemorySizes) -> Path:
     metrics = throughput_metrics(
         model, optimizer, idx, targets, profile.precision, sizes.timed_steps, peak_rate
     )
-    states = state_bytes(model, optimizer)
-    metrics["peak_bytes"] = (
-        states["parameters"]
-        + states["optimizer_states"]
-        + peak_bytes(
-            lambda: training_step(model, optimizer, idx, targets, profile.precision),
-            profile.device,
-        )
+    metrics["peak_bytes"] = out.footprint(
+        lambda: training_step(model, optimizer, idx, targets, profile.precision),
+        model,
+        optimizer,
+        profile.device,
     )
     metrics["predicted_peak_bytes"] = predict_peak(
         config,
@@ -304,78 +320,94 @@ def run_memory(out: Output, profile: Profile, sizes: MemorySizes) -> Path:
             sizes.batch_size, steps, profile.precision, device_type=profile.device.type
         ),
     )
-    provenance = make_provenance(
-        profile.device, repository_root(), MEMORY_SOURCES, time.perf_counter() - started
-    )
-    path = out.write("memory", profile, metrics, {}, provenance)
+    seconds = time.perf_counter() - started
+    path = out.write("memory", profile, metrics, {}, run_memory, seconds)
     print(
-        f"memory: {metrics['tokens_per_second']:,.0f} tokens/s, MFU {metrics['mfu']:.1%}, peak "
-        f"{metrics['peak_bytes'] / 1e9:.2f} GB (predicted {metrics['predicted_peak_bytes'] / 1e9:.2f}) -> {path}",
+        f"memory: {metrics['tokens_per_second']:,.0f} tokens/s, "
+        f"MFU {metrics['mfu']:.1%}, peak {metrics['peak_bytes'] / 1e9:.2f} GB "
+        f"(predicted {metrics['predicted_peak_bytes'] / 1e9:.2f}) -> {path}",
         flush=True,
     )
     return path
 
 
-# ----- the dry run: each run's training step at full size, on fake tensors -----
-
-DRY_RUN_SOURCES = (
-    "code/torchbook/dry_run.py",
-    "code/torchbook/gpu_fit.py",
-    "code/torchbook/memory.py",
-    "code/torchbook/memory_measure.py",
-)
-# Each run's steps (torchbook.dry_run.gpu_steps), by the prefix of their metrics:
-# the memory run's file also holds chapter 7's float32 cell.
-DRY_RUN_STEPS = {
-    "lm": {"": "lm"},
-    "lab": {"": "lab"},
-    "compile": {"": "compile"},
-    "memory": {"": "memory", "fp32.": "memory-fp32"},
+# The runs of ``make gpu-results``, by name (``--only``), in order.
+RUN_FUNCTIONS = {
+    "lm": run_language_model,
+    "lab": run_lab,
+    "compile": run_compile,
+    "memory": run_memory,
 }
-RUN_SOURCES = {
-    "lm": LM_SOURCES,
-    "lab": LAB_SOURCES,
-    "compile": COMPILE_SOURCES,
-    "memory": MEMORY_SOURCES,
-}
+RUNS = tuple(RUN_FUNCTIONS)
 
 
-def dry_run(out: Output, profile: Profile, runs: list[str]) -> list[Path]:
-    """Each run's step on fake tensors at ``profile``'s sizes: its peak, the formula's.
+# ----- the dry run: the same runs on fake tensors, every shape kept, counts cut -----
 
-    Writes ``<run>-gpu-dry-run.json`` per run, in the results format, with
-    ``fake_peak_bytes`` and ``predicted_peak_bytes`` (the formula with the
-    CPU's kernels, which the fake step ran) and ``predicted_peak_bytes_cuda``.
+# Optimizer steps of the dry run's language model: the second logs and validates.
+DRY_RUN_STEPS = 2
+
+
+def dry_run_calls(profile: Profile) -> dict[str, list[Callable[[Output], Path]]]:
+    """Each run's calls in the dry run: its function, shapes kept, counts cut.
+
+    The language model runs in ``profile``'s precision and in fp16, whose
+    loss scaler the GPU job never meets in bf16.
     """
-    corpus = load_corpus(shakespeare_path())
-    steps = gpu_steps(profile, len(corpus.vocabulary))
-    print(
-        f"{'step at gpu sizes, fake tensors on the CPU':64s}"
-        f"{'fake peak':>11s}{'formula':>11s}{'on CUDA':>11s}"
+    lm = dataclasses.replace(
+        shorter(profile.lm, DRY_RUN_STEPS), eval_batches=DRY_RUN_STEPS
     )
+    fp16 = dataclasses.replace(profile, name=f"{profile.name}-fp16", precision="fp16")
+    # two full batches and a partial one: drill 2 times its second step
+    examples = 2 * profile.lab.batch_size + 1
+    memory = dataclasses.replace(profile.memory, timed_steps=1)
+    return {
+        "lm": [
+            partial(run_language_model, profile=profile, sizes=lm),
+            partial(run_language_model, profile=fp16, sizes=lm),
+        ],
+        "lab": [
+            partial(
+                run_lab, profile=profile, sizes=profile.lab, train_examples=examples
+            )
+        ],
+        "compile": [
+            partial(
+                run_compile,
+                profile=profile,
+                sizes=profile.lm,
+                warmup_steps=1,
+                timed_steps=1,
+            )
+        ],
+        "memory": [partial(run_memory, profile=profile, sizes=memory)],
+    }
+
+
+def dry_run(folder: Path, profile: Profile, runs: list[str]) -> list[Path]:
+    """Each run's calls on fake tensors; prints each run's fake peak and placeholders.
+
+    Writes ``<run>-<profile>-dry-run.json`` per call, in the results format.
+    """
     paths = []
+    calls = dry_run_calls(profile)
     for run in runs:
-        started, metrics = time.perf_counter(), {}
-        for prefix, key in DRY_RUN_STEPS[run].items():
-            step = steps[key]
-            peak = fake_peak_bytes(step.build)
-            metrics |= {
-                f"{prefix}fake_peak_bytes": peak,
-                f"{prefix}predicted_peak_bytes": step.formula,
-                f"{prefix}predicted_peak_bytes_cuda": step.formula_cuda,
-            }
+        for call in calls[run]:
+            with fake_run() as mode:
+                path = call(Output(folder, mode))
+            result = read_result(path)
+            made_up = ", ".join(
+                f"{caller} {count}" for caller, count in mode.placeholders.items()
+            )
             print(
-                f"{step.name:64s}{peak / 1e9:>8.3f} GB{step.formula / 1e9:>8.3f} GB"
-                f"{step.formula_cuda / 1e9:>8.3f} GB",
+                f"  {path.name}: peak of fake tensors "
+                f"{result.metrics['dry_run.peak_bytes'] / 1e9:.3f} GB; "
+                f"placeholders read: {made_up or 'none'}",
                 flush=True,
             )
-        provenance = make_provenance(
-            profile.device,
-            repository_root(),
-            (*RUN_SOURCES[run], *DRY_RUN_SOURCES),
-            time.perf_counter() - started,
-        )
-        paths.append(out.write(run, profile, metrics, {}, provenance))
+            paths.append(path)
+    print("Not run on fake tensors, and what the dry run does instead:")
+    for part, instead in SWITCHED.items():
+        print(f"- {part}: {instead}")
     return paths
 
 
@@ -396,8 +428,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="each run's step at the gpu sizes on fake tensors, no GPU needed; "
-        "files marked as a dry run",
+        help="the same runs on fake tensors, no GPU needed; files marked as a dry run",
+    )
+    parser.add_argument(
+        "--dry-run-sizes",
+        choices=("gpu", "cpu"),
+        default="gpu",
+        help="the profile whose sizes the dry run takes (default: gpu; cpu is quicker)",
+    )
+    parser.add_argument(
+        "--sources",
+        action="store_true",
+        help="print each run's source files (JSON) and stop",
     )
     parser.add_argument(
         "--only",
@@ -406,16 +448,30 @@ def main(argv: list[str] | None = None) -> int:
         help="run only these (repeatable); default: every run",
     )
     args = parser.parse_args(argv)
+    if args.sources:
+        root = repository_root()
+        sources = {
+            run: run_sources(function, SCRIPT, root)
+            for run, function in RUN_FUNCTIONS.items()
+        }
+        print(json.dumps(sources, indent=1))
+        return 0
     started = time.perf_counter()
-    profile = gpu_profile(FAKE_DEVICE) if args.dry_run else active_profile()
-    kind = "a dry run of the gpu sizes" if args.dry_run else "results"
+    if not args.dry_run:
+        profile = active_profile()
+    elif args.dry_run_sizes == "gpu":
+        profile = gpu_profile(FAKE_DEVICE)
+    else:
+        profile = make_profile("cpu")
+    kind = f"a dry run of the {profile.name} sizes" if args.dry_run else "results"
     print(
-        f"profile {profile.name}: device {profile.device}, torch {torch.__version__}; {kind}",
+        f"profile {profile.name}: device {profile.device}, "
+        f"torch {torch.__version__}; {kind}",
         flush=True,
     )
     chosen = [run for run in RUNS if run in (args.only or RUNS)]
     if args.dry_run:
-        paths = dry_run(Output(args.out, dry_run=True), profile, chosen)
+        paths = dry_run(args.out, profile, chosen)
         print(f"dry run: {len(paths)} files in {args.out}", flush=True)
     else:
         out = Output(args.out)

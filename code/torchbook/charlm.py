@@ -109,25 +109,21 @@ def fixed_batches(
     return [next(batches) for _ in range(count)]
 
 
-def build(
-    corpus: CharCorpus,
-    sizes: LanguageModelSizes,
-    device: torch.device,
-    precision: str,
-    seed: int,
-) -> Trainer:
-    """The GPT and its Trainer at ``sizes`` in ``precision``; weights from ``seed``."""
-    config = GPTConfig(
-        vocab_size=len(corpus.vocabulary),
+def model_config(vocab_size: int, sizes: LanguageModelSizes) -> GPTConfig:
+    """Chapter 3's GPT at ``sizes`` for a vocabulary of ``vocab_size`` characters."""
+    return GPTConfig(
+        vocab_size=vocab_size,
         block_size=sizes.block_size,
         n_layer=sizes.n_layer,
         n_head=sizes.n_head,
         d_model=sizes.d_model,
         dropout=sizes.dropout,
     )
-    torch.manual_seed(seed)
-    model = GPT(config).to(device)
-    train_config = TrainConfig(
+
+
+def train_config(sizes: LanguageModelSizes, precision: str) -> TrainConfig:
+    """Chapter 3's loop at ``sizes``: schedule, logging and ``precision``."""
+    return TrainConfig(
         max_steps=sizes.max_steps,
         lr=sizes.lr,
         min_lr=sizes.min_lr,
@@ -135,7 +131,23 @@ def build(
         precision=precision,
         log_every=sizes.log_every,
     )
-    return Trainer(model, train_config, device)
+
+
+def build(
+    corpus: CharCorpus,
+    sizes: LanguageModelSizes,
+    device: torch.device,
+    precision: str,
+    seed: int,
+) -> Trainer:
+    """The GPT and its Trainer at ``sizes`` in ``precision``; weights from ``seed``.
+
+    The one place chapter 3's configs are made: the GPU dry run and the fit
+    table (``torchbook.dry_run``, ``torchbook.gpu_fit``) use the same two.
+    """
+    torch.manual_seed(seed)
+    model = GPT(model_config(len(corpus.vocabulary), sizes)).to(device)
+    return Trainer(model, train_config(sizes, precision), device)
 
 
 @dataclass

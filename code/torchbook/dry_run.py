@@ -1,48 +1,312 @@
-"""The book's GPU training steps at full size, without a GPU: shapes and peak memory.
+"""The GPU job without a GPU: its own run functions on fake tensors, peak tracked.
 
 A fake tensor (``torch._subclasses.fake_tensor.FakeTensorMode``) has a shape,
 a dtype and a device but no data: each operation runs its shape rule instead
-of its kernel. A step of GPT-2 small at 8 x 2,048 tokens then takes seconds
+of its kernel. A step of GPT-2 small at 8 x 2,048 tokens then takes a second
 and almost no memory, yet meets every shape, dtype and autocast cast of the
-real one. ``MemTracker`` (``torch.distributed._tools``, the tracker
-torchtitan's memory estimator runs under fake tensors) follows the bytes of
-each tensor as the step creates and frees it, and reports the peak: set
-beside ``memory.predict_peak``, it checks the formula without a GPU.
+real one. ``FakeRun`` runs whole scripts this way, so that ``make gpu-results
+DRY_RUN=1`` calls the same run functions as the GPU job, and a change that
+breaks the job breaks the dry run.
+
+What a fake tensor cannot do is give a value. ``FakeRun`` keeps a tensor real
+where its value is known without the model: the data read from disk, scalars
+(counters, the loss scale, AdamW's step) and whatever is computed from those
+alone. A tensor computed from the model is fake, and reading one (``.item()``,
+``.tolist()``, ``torch.equal``) gives a placeholder, 1, counted by caller.
+``isfinite`` of a fake tensor is taken to be true (and ``isnan``, ``isinf``
+false): fake values are assumed healthy, so the NaN check and the fp16
+scaler's overflow check take their normal path. ``SWITCHED`` lists what the
+dry run does instead of what cannot run on fake tensors; the dry run prints it.
+
+``FakeRun`` also tracks memory: the bytes of every fake tensor an operation
+creates, until it is freed, and their peak. A kernel's own scratch (what it
+allocates and frees inside itself, such as the CPU attention backward's
+buffers or a bf16 matmul's temporary copies) is not a tensor any operation
+returns, so the peak is a lower bound: the real one exceeds it by at most the
+largest scratch of one kernel. ``tests/test_dry_run.py`` measures both sides.
 
 The fake tensors are on the CPU. Fake CUDA tensors need a CUDA driver: on a
 machine without one, autocast switches itself off for ``"cuda"`` and the
 backward pass fails in the autograd engine. So the fake step takes the CPU's
 paths: its autocast lists and its attention kernels (with dropout, the math
-path). Anything that reads a value cannot run on fake tensors (``.item()``,
-``.tolist()``, a check of the data, a sampled token); ``GPT.forward`` skips its
-token-id check for them.
+path).
 
-It builds on ``torchbook.models``, ``torchbook.train`` (the Trainer),
-``torchbook.lab`` (the MLP and its epoch), ``torchbook.memory`` and
-``torchbook.gpu_fit`` (the formulas), ``torchbook.memory_measure`` (chapter 7's
-training step) and ``torchbook.profiles`` (the gpu sizes).
+It builds on ``torchbook.charlm`` (chapter 3's configs), ``torchbook.models``,
+``torchbook.train``, ``torchbook.lab`` (the MLP and its epoch),
+``torchbook.memory`` and ``torchbook.gpu_fit`` (the formulas),
+``torchbook.memory_measure`` (chapter 7's training step) and
+``torchbook.profiles`` (the gpu sizes).
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
+import contextlib
+import sys
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    is_fake,
+)
+from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
 
+from torchbook import lab
+from torchbook.charlm import model_config, train_config
 from torchbook.gpu_fit import mlp_peak
-from torchbook.lab import MnistMLP, lab_optimizer, train_epoch
 from torchbook.memory import TrainingShape, predict_peak
 from torchbook.memory_measure import training_step
 from torchbook.models import GPT, GPTConfig
 from torchbook.profiles import Profile
-from torchbook.train import TrainConfig, Trainer
+from torchbook.train import Trainer
 
 # The fake tensors' device: fake CUDA needs a CUDA driver (see above).
 FAKE_DEVICE = torch.device("cpu")
+PLACEHOLDER = 1  # what reading a fake value gives: 1, 1.0 or True by its dtype
+# What cannot run on fake tensors, and what the dry run does instead.
+SWITCHED = {
+    "values read from the model (.item(), .tolist(), torch.equal)": (
+        "a placeholder, 1; values from the data and from counters are computed for real"
+    ),
+    "the kernels Inductor generates (torch.compile)": (
+        "the aot_eager backend: Dynamo and AOTAutograd capture the same forward "
+        "and backward graphs, which then run on fake tensors"
+    ),
+    "drill 6: torch.save and safetensors (they write the tensors' bytes)": "not run",
+    "Module.to(device) (torch cannot swap fake parameters)": (
+        "nothing: the fake tensors are already on the one fake device"
+    ),
+    "peak memory (the allocator's records)": (
+        "the bytes of the fake tensors, tracked as they are created and freed"
+    ),
+    "timings, tokens per second and MFU": (
+        "measured, but of fake operations: meaningless"
+    ),
+}
+_READS = {
+    torch.ops.aten._local_scalar_dense.default,  # .item(), .tolist(), float(t)
+    torch.ops.aten.equal.default,
+}
+_ASSUMED = {  # a fake tensor's values are taken to be finite (isfinite: see below)
+    torch.ops.aten.isnan.default: False,
+    torch.ops.aten.isinf.default: False,
+}
+# The fp16 scaler's overflow check: with finite values it finds nothing, so the
+# flag it writes into stays the real 0 it was.
+_FINITE_CHECK = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+# the originals of what ``fake_run`` switches
+_COMPILE, _MODULE_TO, _ISFINITE = torch.compile, nn.Module.to, torch.isfinite
+
+
+class DryRunError(RuntimeError):
+    """A part of the run needs values that fake tensors do not have."""
+
+
+def _caller() -> str:
+    """The first function outside torch and this module on the stack, by name."""
+    frame = sys._getframe(1)
+    torch_root = str(Path(torch.__file__).parent)
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(torch_root)
+        or frame.f_code.co_filename == __file__
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    function = frame.f_code.co_qualname.partition(".<locals>")[0]
+    return f"{frame.f_globals.get('__name__', '?')}.{function}"
+
+
+class FakeRun(FakeTensorMode):
+    """Fake tensors for what the model computes; real ones for data and scalars.
+
+    ``placeholders`` counts the values read from fake tensors, by caller;
+    ``peak`` is the most bytes of fake tensors alive at once.
+    """
+
+    def __init__(self) -> None:
+        # the data a run reads from disk is real, and becomes fake when it meets
+        # the model
+        super().__init__(allow_non_fake_inputs=True)
+        self.live = self.peak = 0
+        self._windows: list[int] = []  # the peaks of open ``peak_bytes`` calls
+        self.placeholders: Counter[str] = Counter()
+        self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._counted: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storages
+        self._depth = 0  # > 0 inside a fake kernel, which may call operations
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:
+        kwargs = kwargs or {}
+        if self._depth:  # a fake kernel's own steps: its scratch, not counted
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        tensors = [
+            t for t in pytree.arg_tree_leaves(*args, **kwargs) if torch.is_tensor(t)
+        ]
+        unknown = not all(map(self.known, tensors))
+        if func in _READS:
+            return self._read(func, args, kwargs, unknown)
+        if func in _ASSUMED and unknown and tensors[0].numel() <= 1:
+            return torch.full(tensors[0].shape, _ASSUMED[func])
+        if not unknown and tensors:
+            return func(*args, **kwargs)  # every input is known: compute it
+        self._depth += 1
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            raise DryRunError(
+                f"{func} in {_caller()}: its result depends on values computed "
+                "from the model, which fake tensors do not have"
+            ) from None
+        finally:
+            self._depth -= 1
+        if not tensors and all(
+            t.numel() <= 1 for t in pytree.tree_leaves(out) if torch.is_tensor(t)
+        ):
+            return func(*args, **kwargs)  # a new scalar (a counter): real
+        if func is not _FINITE_CHECK:
+            self._note_writes(func, args, kwargs)
+        self._count_new(func, out)
+        return out
+
+    def known(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` holds real values: not fake, nor written by a fake op."""
+        return not is_fake(tensor) and tensor not in self._written
+
+    def _read(self, func, args, kwargs, unknown: bool) -> Any:
+        """A value read to the host: computed if known, else the placeholder."""
+        if not unknown:
+            return func(*args, **kwargs)
+        self.placeholders[_caller()] += 1
+        if func is torch.ops.aten.equal.default or args[0].dtype == torch.bool:
+            return bool(PLACEHOLDER)
+        return float(PLACEHOLDER) if args[0].is_floating_point() else PLACEHOLDER
+
+    def _note_writes(self, func, args, kwargs) -> None:
+        """Mark the real tensors this fake operation wrote into: now unknown."""
+        schema = func._schema
+        for index, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[index] if index < len(args) else kwargs.get(argument.name)
+            for tensor in pytree.tree_leaves(value):
+                if torch.is_tensor(tensor) and not is_fake(tensor):
+                    self._written[tensor] = True
+
+    def _count_new(self, func, out: Any) -> None:
+        """Add the storages of the outputs that are new tensors, each once.
+
+        A view or an in-place result (an output the schema declares an alias)
+        is not new; ``_unsafe_view`` is one that the schema does not declare.
+        """
+        returns = func._schema.returns
+        outputs = out if isinstance(out, (tuple, list)) and len(returns) > 1 else [out]
+        for declared, value in zip(returns, outputs, strict=False):
+            if declared.alias_info is not None:
+                continue
+            for tensor in pytree.tree_leaves(value):
+                if is_fake(tensor) and tensor.untyped_storage() not in self._counted:
+                    storage = tensor.untyped_storage()
+                    self._counted[storage] = True
+                    self._allocate(storage.nbytes())
+                    weakref.finalize(storage, self._free, storage.nbytes())
+
+    def _allocate(self, size: int) -> None:
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        self._windows = [max(peak, self.live) for peak in self._windows]
+
+    def _free(self, size: int) -> None:
+        self.live -= size
+
+    def peak_bytes(self, step: Callable[[], object]) -> int:
+        """Most bytes of fake tensors ``step()`` adds at once to those alive before.
+
+        ``memory_measure.peak_bytes`` for a fake run: what it measures with the
+        allocator's records.
+        """
+        before = self.live
+        self._windows.append(before)
+        try:
+            step()
+        finally:
+            peak = self._windows.pop()
+        return peak - before
+
+
+def _traced_only(model: Any = None, **options: Any) -> Any:
+    """``torch.compile`` on the aot_eager backend, whatever backend was asked for."""
+    for inductor_only in ("backend", "mode", "options"):
+        options.pop(inductor_only, None)
+    return _COMPILE(model, backend="aot_eager", **options)
+
+
+def _assumed_finite(mode: FakeRun, tensor: torch.Tensor) -> torch.Tensor:
+    """``torch.isfinite``; true for a scalar computed from the model (see above).
+
+    ``isfinite`` is a composition of comparisons, which ``FakeRun`` never sees
+    as one operation; so it is switched here, where its name is known.
+    """
+    if tensor.numel() <= 1 and not mode.known(tensor):
+        return torch.ones(tensor.shape, dtype=torch.bool)  # a new scalar: real
+    return _ISFINITE(tensor)
+
+
+def _to_on_fake_device(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    """``Module.to``, except that a move to the fake device is left out.
+
+    ``Module.to`` swaps each fake parameter for a new one, which fails: torch
+    keeps a weak reference to every fake tensor. On the one fake device the
+    move changes nothing.
+    """
+    device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+    if dtype is None and (device is None or device.type == FAKE_DEVICE.type):
+        return module
+    return _MODULE_TO(module, *args, **kwargs)
+
+
+def _drill_6_not_run(*args: Any, **kwargs: Any) -> dict[str, float]:
+    """Drill 6 writes the tensors' bytes, which fake tensors do not have."""
+    return {}
+
+
+@contextlib.contextmanager
+def fake_run() -> Iterator[FakeRun]:
+    """A ``FakeRun`` entered, with what cannot run on fake tensors switched.
+
+    ``torch.compile`` traces with aot_eager instead of generating Inductor's
+    kernels, a model's move to the fake device is left out, and drill 6
+    (saving and reloading the lab's model) does not run.
+    """
+    mode = FakeRun()
+
+    def finite(tensor: torch.Tensor) -> torch.Tensor:  # a function: a method too
+        return _assumed_finite(mode, tensor)
+
+    with (
+        mode,
+        torch.device(FAKE_DEVICE),
+        mock.patch.object(torch, "isfinite", finite),
+        mock.patch.object(torch.Tensor, "isfinite", finite),
+        mock.patch.object(torch, "compile", _traced_only),
+        mock.patch.object(nn.Module, "to", _to_on_fake_device),
+        mock.patch.object(lab, "save_and_reload", _drill_6_not_run),
+    ):
+        yield mode
+
+
+# ----- single training steps, for the formula's check (the appendix, the tests) -----
+
 # A step builder returns the model and optimizer whose memory is tracked, and the step.
 Built = tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]
 
@@ -65,23 +329,14 @@ def fake_peak_bytes(build: Callable[[], Built]) -> int:
     """Peak bytes of one training step on fake tensors, once AdamW has its states.
 
     The first step makes the optimizer's states (as a real run's first step
-    does); the second is tracked. The peak includes the parameters, buffers
-    and optimizer states, as a GPU's allocator would count them.
+    does); the second is tracked. The peak counts every fake tensor alive: the
+    parameters, buffers, optimizer states and the batch too, as a GPU's
+    allocator would count them.
     """
-    with FakeTensorMode(), torch.device(FAKE_DEVICE):
-        model, optimizer, step = build()
+    with fake_run() as mode:
+        _, _, step = build()
         step()
-        # imported here: it pulls in half of torch.distributed (seconds)
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer)
-        with tracker, warnings.catch_warnings():
-            # its module hooks are global, which torch.compile warns about; the
-            # peak is counted per operation, so a hook firing twice changes nothing
-            warnings.filterwarnings("ignore", "Using `torch.compile.module.` when")
-            step()
-    return tracker.get_tracker_snapshot("peak")[FAKE_DEVICE]["Total"]
+        return mode.live + mode.peak_bytes(step)
 
 
 def gpt_step(
@@ -94,51 +349,11 @@ def gpt_step(
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
         idx = torch.randint(0, config.vocab_size, (batch_size, config.block_size))
         targets = idx.roll(-1, dims=1)
-
-        def step() -> None:
-            training_step(model, optimizer, idx, targets, precision, loop)
-
+        step = partial(training_step, model, optimizer, idx, targets, precision, loop)
         return model, optimizer, step
 
     name = f"ch. 7 GPT, {batch_size} x {config.block_size}, {precision}, {loop} loop"
     return GpuStep(name, build, *formulas(config, batch_size, precision, loop))
-
-
-def trainer_step(
-    config: GPTConfig,
-    batch_size: int,
-    train: TrainConfig,
-    compile_backend: str | None = None,
-) -> GpuStep:
-    """Chapter 3's step: the book's ``Trainer`` (clipping, fused AdamW, schedule).
-
-    With ``compile_backend`` the model runs under ``torch.compile``. The first,
-    untracked step compiles: "aot_eager" captures the forward and backward
-    graphs at full size, without generating kernels (Inductor's are the GPU's
-    to make). The tracked step runs eagerly, since Dynamo leaves a frame alone
-    while a dispatch mode such as ``MemTracker`` is active: its peak is the
-    eager step's.
-    """
-
-    def build() -> Built:
-        trainer = Trainer(GPT(config), train, FAKE_DEVICE)
-        if compile_backend is not None:
-            trainer.model = torch.compile(trainer.model, backend=compile_backend)
-        shape = (batch_size, config.block_size)
-        batch = torch.randint(0, config.vocab_size, shape)
-        targets = torch.randint(0, config.vocab_size, shape)
-
-        def step() -> None:
-            trainer.train_step([(batch, targets)])
-
-        return trainer.model, trainer.optimizer, step
-
-    name = (
-        f"ch. 3 language model, {batch_size} x {config.block_size}, {train.precision}"
-    )
-    if compile_backend is not None:
-        name += f", compiled ({compile_backend})"
-    return GpuStep(name, build, *formulas(config, batch_size, train.precision))
 
 
 def formulas(
@@ -156,53 +371,45 @@ def formulas(
     )
 
 
-def lab_step(profile: Profile) -> GpuStep:
-    """Chapter 9's step: one batch of the lab's epoch, the MLP in float32."""
-    sizes = profile.lab
-
-    def build() -> Built:
-        model = MnistMLP(sizes.hidden)
-        optimizer, scheduler = lab_optimizer("adamw", model, sizes, total_steps=2)
-        images = torch.randn(sizes.batch_size, 1, 28, 28)
-        labels = torch.randint(0, 10, (sizes.batch_size,))
-        generator = torch.Generator().manual_seed(profile.seed)
-
-        def step() -> None:
-            train_epoch(
-                model, optimizer, scheduler, images, labels, sizes.batch_size, generator
-            )
-
-        return model, optimizer, step
-
-    peak = mlp_peak((28 * 28, *sizes.hidden, 10), sizes.batch_size)
-    return GpuStep(f"ch. 8 lab MLP, batch {sizes.batch_size}", build, peak, peak)
-
-
 def gpu_steps(profile: Profile, char_vocab_size: int) -> dict[str, GpuStep]:
-    """The training steps of ``make gpu-results`` at ``profile``'s sizes, by run.
+    """The training steps of the GPU runs at ``profile``'s sizes, by run.
 
     ``char_vocab_size`` is the corpus's number of characters (chapter 3's
     vocabulary). Chapter 7's run is measured in bf16 and in float32, as the
-    chapter runs it; the compile run compiles chapter 3's model.
+    chapter runs it.
     """
-    lm, memory = profile.lm, profile.memory
-    # chapter 3's model and loop, as charlm.build makes them
-    lm_config = GPTConfig(
-        char_vocab_size,
-        lm.block_size,
-        lm.n_layer,
-        lm.n_head,
-        lm.d_model,
-        lm.dropout,
-    )
-    train = TrainConfig(
-        max_steps=lm.max_steps,
-        lr=lm.lr,
-        min_lr=lm.min_lr,
-        warmup_steps=lm.warmup_steps,
-        precision=profile.precision,
-        log_every=lm.log_every,
-    )
+    lm, memory, sizes = profile.lm, profile.memory, profile.lab
+    lm_config = model_config(char_vocab_size, lm)
+
+    def lm_build() -> Built:
+        trainer = Trainer(GPT(lm_config), train_config(lm, profile.precision), "cpu")
+        shape = (lm.batch_size, lm.block_size)
+        batch = torch.randint(0, char_vocab_size, shape)
+        targets = torch.randint(0, char_vocab_size, shape)
+        return (
+            trainer.model,
+            trainer.optimizer,
+            partial(trainer.train_step, [(batch, targets)]),
+        )
+
+    def lab_build() -> Built:
+        model = lab.MnistMLP(sizes.hidden)
+        optimizer, scheduler = lab.lab_optimizer("adamw", model, sizes, total_steps=2)
+        images = torch.randn(sizes.batch_size, 1, 28, 28)
+        labels = torch.randint(0, 10, (sizes.batch_size,))
+        generator = torch.Generator().manual_seed(profile.seed)
+        step = partial(
+            lab.train_epoch,
+            model,
+            optimizer,
+            scheduler,
+            images,
+            labels,
+            sizes.batch_size,
+            generator,
+        )
+        return model, optimizer, step
+
     longest = GPTConfig(
         memory.vocab_size,
         max(memory.seq_lens),
@@ -210,10 +417,17 @@ def gpu_steps(profile: Profile, char_vocab_size: int) -> dict[str, GpuStep]:
         memory.n_head,
         memory.d_model,
     )
+    lab_peak = mlp_peak((28 * 28, *sizes.hidden, 10), sizes.batch_size)
+    lm_name = f"ch. 3 language model, {lm.batch_size} x {lm.block_size}"
     return {
-        "lm": trainer_step(lm_config, lm.batch_size, train),
-        "compile": trainer_step(lm_config, lm.batch_size, train, "aot_eager"),
-        "lab": lab_step(profile),
+        "lm": GpuStep(
+            f"{lm_name}, {profile.precision}",
+            lm_build,
+            *formulas(lm_config, lm.batch_size, profile.precision),
+        ),
+        "lab": GpuStep(
+            f"ch. 9 lab MLP, batch {sizes.batch_size}", lab_build, lab_peak, lab_peak
+        ),
         "memory": gpt_step(longest, memory.batch_size, profile.precision),
         # chapter 7's largest float32 cell: the tutorial loop keeps the logits
         "memory-fp32": gpt_step(longest, memory.batch_size, "fp32", "tutorial"),

@@ -2,14 +2,15 @@
 
 No GPU is needed to ask: ``torchbook.memory`` predicts from the shapes that
 ``torchbook.profiles`` gives the gpu profile. Chapter 7 prints ``fit_table``.
-It builds on ``torchbook.memory`` (the prediction) and ``torchbook.models``
-(``GPTConfig``).
+It builds on ``torchbook.memory`` (the prediction), ``torchbook.models``
+(``GPTConfig``) and ``torchbook.charlm`` (chapter 3's model, configured once).
 """
 
 from __future__ import annotations
 
 from itertools import pairwise
 
+from torchbook.charlm import model_config
 from torchbook.memory import FP32, GPU_BYTES, TrainingShape, predict_peak
 from torchbook.models import GPTConfig
 from torchbook.profiles import gpu_sizes, make_profile
@@ -43,9 +44,7 @@ def gpu_run_peaks() -> dict[str, int]:
     )
     runs = {
         "ch. 3 language model (and the compile results)": (
-            GPTConfig(
-                CHAR_VOCAB, lm.block_size, lm.n_layer, lm.n_head, lm.d_model, lm.dropout
-            ),
+            model_config(CHAR_VOCAB, lm),
             TrainingShape(lm.batch_size, lm.block_size, "bf16", device_type="cuda"),
         ),
         "ch. 5 loading demo (as if trained on its 2 x 16 input)": (
@@ -86,7 +85,7 @@ def gpu_run_peaks() -> dict[str, int]:
             ),
         )
     peaks = {name: predict_peak(*run) for name, run in runs.items()}
-    peaks["ch. 8 lab MLP"] = mlp_peak((28 * 28, *lab.hidden, 10), lab.batch_size)
+    peaks["ch. 9 lab MLP"] = mlp_peak((28 * 28, *lab.hidden, 10), lab.batch_size)
     return peaks
 
 

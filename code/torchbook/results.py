@@ -11,6 +11,9 @@ final metrics, and a ``provenance`` record: device name and compute
 capability, CUDA and torch versions, date, git commit, and the SHA-256 of each
 source file the run depends on. ``stale_sources`` compares those hashes with
 the files as they are now; the appendix lists each file with what changed.
+A run's sources are derived, not listed by hand: ``run_sources`` takes the
+package modules its function names (through the helpers of its own script)
+and every package module those import (``import_closure``).
 
 Reading validates the whole structure first and raises ``ResultsError`` naming
 the file and the field, so a truncated, hand-edited or foreign JSON file is
@@ -19,13 +22,17 @@ refused rather than half-plotted.
 
 from __future__ import annotations
 
+import ast
 import datetime
 import hashlib
+import importlib.util
+import inspect
 import json
 import math
 import platform
 import subprocess
-from collections.abc import Iterable, Mapping
+import typing
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +98,82 @@ def source_hashes(root: str | Path, sources: Iterable[str]) -> dict[str, str]:
             )
         hashes[name] = sha256_of_file(path)
     return hashes
+
+
+def import_closure(
+    modules: Iterable[str], root: str | Path, package: str = "torchbook"
+) -> list[str]:
+    """``modules`` and the modules of ``package`` they import, transitively: paths.
+
+    Read from each file's ``import`` statements (those inside functions too, so
+    a module counts if the run might import it); paths relative to ``root``.
+    """
+    folder = Path(importlib.util.find_spec(package).origin).parent
+
+    def path_of(name: str) -> Path | None:  # "torchbook.train" -> .../train.py
+        head, _, rest = name.partition(".")
+        path = folder.joinpath(*rest.split(".")).with_suffix(".py")
+        return path if head == package and rest and path.is_file() else None
+
+    pending, found = list(modules), set()
+    while pending:
+        path = path_of(pending.pop())
+        if path is None or path in found:
+            continue
+        found.add(path)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                pending += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                # "from package import module" names a module, or a name of __init__
+                pending += [f"{node.module}.{alias.name}" for alias in node.names]
+                pending.append(node.module)
+    root = Path(root).resolve()
+    return sorted(path.resolve().relative_to(root).as_posix() for path in found)
+
+
+def referenced_modules(function: Callable, package: str) -> set[str]:
+    """The modules of ``package`` that ``function`` uses: names, parameter types.
+
+    Followed through the functions and classes of ``function``'s own module
+    that it calls (a script's helpers), and the functions nested in each.
+    """
+    found, seen, pending = set(), set(), [function]
+    while pending:
+        item = pending.pop()
+        if id(item) in seen or not (inspect.isclass(item) or inspect.isfunction(item)):
+            continue
+        seen.add(id(item))
+        if inspect.isclass(item):
+            pending += vars(item).values()
+            continue
+        codes, used = [item.__code__], []
+        while codes:
+            code = codes.pop()
+            codes += [c for c in code.co_consts if inspect.iscode(c)]
+            used += [item.__globals__.get(name) for name in code.co_names]
+        try:  # the sizes a run takes are a source too (Profile, LabSizes, ...)
+            hints = inspect.get_annotations(item, eval_str=True).values()
+        except (NameError, TypeError):
+            hints = []
+        types = [t for hint in hints for t in (hint, *typing.get_args(hint))]
+        for value in [*used, *types]:
+            module = getattr(value, "__module__", None)
+            if inspect.ismodule(value):
+                module = value.__name__
+            if module is not None and module.partition(".")[0] == package:
+                found.add(module)
+            elif module == function.__module__ and all(value is not t for t in types):
+                pending.append(value)
+    return found
+
+
+def run_sources(function: Callable, script: str, root: str | Path) -> list[str]:
+    """What a run's numbers depend on: its ``script`` and the package code it uses."""
+    package = "torchbook"
+    return sorted(
+        {script, *import_closure(referenced_modules(function, package), root)}
+    )
 
 
 def git_commit(root: str | Path) -> str:
