@@ -11,15 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchbook.charlm import load_corpus
 from torchbook.device import hardware_name
 from torchbook.plotting import plot_history
+from torchbook.profiles import LabSizes
 from torchbook.results import (
     ResultsError,
     find_results,
     history_rows,
     history_series,
+    import_closure,
     make_provenance,
     read_result,
+    referenced_modules,
+    run_sources,
     stale_sources,
     write_result,
 )
@@ -345,3 +350,56 @@ def test_a_number_too_large_or_nesting_too_deep_is_refused_naming_the_file(
     with pytest.raises(ResultsError, match=expected) as caught:
         read_result(path)
     assert str(path) in str(caught.value)
+
+
+def imported_by(statement: str) -> set[str]:
+    """The package's modules a fresh interpreter imports for ``statement``."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", statement],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    names = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()]
+    return {
+        f"code/torchbook/{name.split('.')[1]}.py"
+        for name in names
+        if name.startswith("torchbook.")
+    }
+
+
+@pytest.mark.parametrize("module", ["torchbook.charlm", "torchbook.dry_run"])
+def test_the_import_closure_is_what_python_imports(module):
+    # Python's own record, from a fresh interpreter, against the files' import lines
+    assert set(import_closure([module], ROOT)) == imported_by(f"import {module}")
+
+
+def uses_the_corpus_through_a_helper() -> None:
+    """A run function whose package names are only in a helper of this module."""
+    helper_that_loads()
+
+
+def helper_that_loads() -> None:
+    load_corpus  # noqa: B018 - only named, as a run function names what it calls
+
+
+def sized(sizes: LabSizes) -> None:
+    """A run function whose sizes come from torchbook.profiles, by its type."""
+
+
+def test_a_runs_modules_are_found_through_its_helpers_and_its_parameter_types():
+    assert referenced_modules(uses_the_corpus_through_a_helper, "torchbook") == {
+        "torchbook.charlm"
+    }
+    assert referenced_modules(sized, "torchbook") == {"torchbook.profiles"}
+
+
+def test_a_runs_sources_are_its_script_and_what_its_modules_import():
+    sources = run_sources(
+        uses_the_corpus_through_a_helper, "tests/test_results.py", ROOT
+    )
+    assert sources == sorted(
+        {"tests/test_results.py", *imported_by("import torchbook.charlm")}
+    )
