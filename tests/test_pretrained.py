@@ -24,7 +24,6 @@ TINY = PretrainedSizes(
     n_kv_head=2,
     mlp_size=64,
     max_positions=64,
-    block_size=32,
     batch_size=8,
     steps=40,
     lr=1e-2,

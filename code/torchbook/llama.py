@@ -365,12 +365,12 @@ class Llama(nn.Module):
         """Zeros (2, n_layer, B, n_kv_head, length, head_size) for keys and values.
 
         In autocast's dtype when autocast is on (the dtype k and v have then),
-        else the weights'.
+        else the weights'. On the meta device it has a shape and no memory.
         """
-        c = self.config
+        c, kind = self.config, torch.device(device).type
         dtype = self.token_embedding.weight.dtype
-        if torch.is_autocast_enabled(torch.device(device).type):
-            dtype = torch.get_autocast_dtype(torch.device(device).type)
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+            dtype = torch.get_autocast_dtype(kind)
         shape = (2, c.n_layer, batch, c.n_kv_head, length, c.head_size)
         return torch.zeros(shape, device=device, dtype=dtype)
 

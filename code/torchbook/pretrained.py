@@ -43,15 +43,22 @@ class PretrainedSizes:
     n_head: int = size(cpu=4, gpu=8)
     n_kv_head: int = size(cpu=2, gpu=2)
     mlp_size: int = size(cpu=176, gpu=1376)  # about 8/3 d_model, as in Llama
-    max_positions: int = size(cpu=128, gpu=512)
+    max_positions: int = size(cpu=128, gpu=512)  # its context, trained in full
     tie_embeddings: bool = False
     # Its pretraining on Tiny Shakespeare: a few seconds on the cpu profile.
-    block_size: int = size(cpu=64, gpu=512)  # tokens per training row
-    batch_size: int = size(cpu=16, gpu=32)
+    batch_size: int = size(cpu=8, gpu=32)  # rows of max_positions + 1 tokens
     steps: int = size(cpu=120, gpu=2000)
     lr: float = size(cpu=3e-3, gpu=1e-3)
     # largest shard save_pretrained writes: several shards, as on the hub
     max_shard_bytes: int = size(cpu=300_000, gpu=20_000_000)
+    # The LoRA fine-tune on chat records that fit the context.
+    lora_rank: int = size(cpu=8, gpu=16)
+    lora_alpha: float = size(cpu=16.0, gpu=32.0)
+    finetune_records: int = size(cpu=600, gpu=5000)
+    heldout_records: int = size(cpu=100, gpu=500)
+    finetune_rows: int = size(cpu=8, gpu=16)  # packed rows per step
+    finetune_steps: int = size(cpu=60, gpu=600)
+    finetune_lr: float = size(cpu=3e-3, gpu=1e-3)
 
 
 @dataclass(frozen=True)
@@ -73,16 +80,16 @@ def make_stand_in(
 ) -> StandIn:
     """Train a small ``LlamaForCausalLM`` on ``text`` and save it with its tokenizer.
 
-    Rows of ``block_size`` tokens start at random offsets (drawn from a
+    Rows of ``max_positions`` tokens start at random offsets (drawn from a
     generator seeded with ``seed``); AdamW at a constant ``lr``; the loss is
     computed in float32 from the logits, as the book's training loop does.
     """
     wrapped = hf_tokenizer(tokenizer)
     ids = torch.tensor(tokenizer.encode(text).ids, dtype=torch.long)
-    if ids.numel() <= sizes.block_size:
+    if ids.numel() <= sizes.max_positions:
         raise ValueError(
             f"make_stand_in: the text has {ids.numel()} tokens, fewer than one row "
-            f"of block_size={sizes.block_size} + 1"
+            f"of max_positions={sizes.max_positions} + 1"
         )
     config = transformers.LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(),
@@ -101,13 +108,15 @@ def make_stand_in(
     model = transformers.LlamaForCausalLM(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=sizes.lr)
     generator = torch.Generator().manual_seed(seed)
-    offsets = torch.arange(sizes.block_size + 1)
+    offsets = torch.arange(sizes.max_positions + 1)
     losses = []
     for _ in range(sizes.steps):
         starts = torch.randint(
-            ids.numel() - sizes.block_size, (sizes.batch_size, 1), generator=generator
+            ids.numel() - sizes.max_positions,
+            (sizes.batch_size, 1),
+            generator=generator,
         )
-        rows = ids[starts + offsets].to(device)  # (batch, block_size + 1)
+        rows = ids[starts + offsets].to(device)  # (batch, max_positions + 1)
         with autocast(device.type, precision):
             logits = model(input_ids=rows[:, :-1]).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten())
