@@ -16,8 +16,8 @@ Llama 3.2, ...) are the book's GPT with four parts changed:
   later, its rescaled frequencies. The rotation itself is the GPT's (the
   rotate-half layout Hugging Face checkpoints use), imported from
   ``torchbook.models``. The cos and sin tables are computed from the positions
-  at each call instead of stored: 131,072 positions (Llama 3's context) would
-  make a table of tens of MB.
+  at each call instead of stored: for Llama 3.1's 131,072 positions and heads of
+  128 features, stored float32 tables would take 134 MB.
 - **Grouped-query attention**: ``n_head`` query heads share ``n_kv_head`` key
   and value heads (Ainslie et al. 2023), so the KV cache, which stores only
   those, is ``n_head / n_kv_head`` times smaller.
@@ -46,10 +46,12 @@ from torchbook.models import INIT_STD, apply_rope, check_token_ids
 class Llama3RopeScaling:
     """Llama 3.1's RoPE rescaling (``"rope_type": "llama3"`` in config.json).
 
-    Rotations slower than ``original_max_positions / low_freq_factor`` positions
-    per turn are slowed by ``factor``, faster ones than ``original_max_positions /
-    high_freq_factor`` are kept, and those between are interpolated, so a model
-    trained on 8,192 positions reads 131,072 without seeing angles it never saw.
+    Feature pairs whose rotation takes more than ``original_max_positions /
+    low_freq_factor`` positions per turn are slowed by ``factor``, those taking
+    fewer than ``original_max_positions / high_freq_factor`` are kept, and those
+    between are interpolated: the slow rotations, which set how far apart two
+    positions look, then stay within the angles the model was trained on over a
+    context ``factor`` times longer.
     """
 
     factor: float = 8.0
