@@ -13,9 +13,10 @@ apply, as in chapter 5:
    tensor data yet). Each key is renamed with ``KEY_MAP``; a missing shard, a
    key the table does not know, or a key the index places in another file is
    refused with the file and the key named.
-3. ``load_weights``: every name, shape and dtype compared with the model, on
-   shapes only (``torchbook.state_dicts``' one check); only then is each tensor
-   read from its shard and copied, so a refused folder leaves the model as it was.
+3. ``load_weights``: every name, shape and dtype compared with the model on
+   meta tensors, which have no data (``torchbook.state_dicts``' one check); only
+   then is each tensor read from its shard and copied, so a refused folder
+   leaves the model as it was.
 
 ``save_hf_folder`` writes the same layout back (config.json in the keys both
 transformers 4 and 5 read, shards and index through ``torchbook.weights``), and
