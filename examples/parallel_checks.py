@@ -109,6 +109,8 @@ def train_steps(
 def train_ddp(
     data: dict, context: DistributedContext
 ) -> tuple[GPT, list[float], list[float], dict[str, int]]:
+    # The same seed on every rank, unlike train_ddp.py: FSDP2 below shards the weights
+    # each rank makes, so they must agree, and without dropout training draws nothing.
     torch.manual_seed(data["seed"])
     model = GPT(GPTConfig(**data["model"])).to(context.device)
     ddp_model = DDP(

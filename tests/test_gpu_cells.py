@@ -1,0 +1,300 @@
+"""The gpu profile's own paths in chapters 6 and 7, run on the CPU where they can be.
+
+No GPU runs the tests, so a cell's CUDA branch would first run on a rented GPU.
+These tests run what of it needs no GPU: the cell's own code, taken from the
+chapter, with CUDA's functions replaced by stand-ins that return what the
+documentation says they return (names that do not exist fail, since
+``monkeypatch`` refuses to replace a missing attribute), the prose's inline
+values after it, and the distributed script with the options the gpu profile
+passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import torchbook.distributed
+from torchbook.distributed import launch, torchrun_command
+from torchbook.profiles import active_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from qmd_notebook import to_notebook  # noqa: E402
+
+
+def cell_and_inline_values(chapter: str, marker: str) -> tuple[str, str]:
+    """The code cell of ``chapter`` that contains ``marker``, and the inline values
+    of the prose after it, up to the next heading."""
+    path = ROOT / "chapters" / chapter
+    cells = [
+        cell
+        for cell in to_notebook(path, for_tests=True).cells
+        if cell.cell_type == "code"
+    ]
+    found = [index for index, cell in enumerate(cells) if marker in cell.source]
+    assert len(found) == 1, f"{chapter}: {len(found)} cells contain {marker!r}"
+    cell = cells[found[0]]
+    lines = path.read_text(encoding="utf-8").splitlines()
+    start = cell.metadata["qmd_line"]
+    section_end = next(
+        (n for n in range(start, len(lines) + 1) if lines[n - 1].startswith("#")),
+        len(lines) + 1,
+    )
+    following = cells[found[0] + 1].source if found[0] + 1 < len(cells) else ""
+    inline = [
+        line
+        for line in following.splitlines()
+        if following.startswith("# inline values")
+        and line.startswith("print(")
+        and int(line.rsplit("# line ", 1)[1]) < section_end
+    ]
+    return cell.source, "\n".join(inline)
+
+
+def cuda_profile() -> types.SimpleNamespace:
+    """A stand-in for the gpu profile: only the device's type is read."""
+    return types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
+
+
+def fake_event(key, device_type, self_cpu=0, self_device=0, count=1):
+    return types.SimpleNamespace(
+        key=key,
+        count=count,
+        device_type=device_type,
+        self_cpu_time_total=self_cpu,
+        self_device_time_total=self_device,
+    )
+
+
+def test_the_profiler_cell_counts_each_cuda_kernel_once(monkeypatch, capsys):
+    from torch.autograd import DeviceType
+
+    cell, inline = cell_and_inline_values("06-devices.qmd", "torch.profiler.profile(")
+    # On CUDA each kernel is an event of the GPU's type, and the operation that
+    # launched it carries the kernel's time as its own device time.
+    events = [
+        fake_event("aten::mm", DeviceType.CPU, self_cpu=10, self_device=300, count=4),
+        fake_event("sm90_gemm_kernel", DeviceType.CUDA, self_device=300, count=4),
+        fake_event("aten::add", DeviceType.CPU, self_cpu=5, self_device=100),
+        fake_event("elementwise_kernel", DeviceType.CUDA, self_device=100),
+        fake_event("cudaLaunchKernel", DeviceType.CPU, self_cpu=40),
+    ]
+
+    class FakeProfiler:
+        def __init__(self, activities):
+            assert torch.profiler.ProfilerActivity.CUDA in activities
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfiler)
+    namespace = {
+        "os": os,
+        "torch": torch,
+        "profile": cuda_profile(),
+        "trainers": {"eager": types.SimpleNamespace(train_step=lambda batch: None)},
+        "step_batch": None,
+        "synchronize": lambda device: None,
+    }
+    exec(cell, namespace)
+    exec(inline, namespace)
+    assert namespace["total_us"] == 400  # the kernels' time, once
+    assert [event.key for event in namespace["top"]] == [
+        "aten::mm",
+        "aten::add",
+        "cudaLaunchKernel",
+    ]
+    assert namespace["matmul_share"] == pytest.approx(0.75)
+    assert "aten::mm" in capsys.readouterr().out
+
+
+def cuda_memory_stand_ins(monkeypatch, snapshot: dict, reserved_now: int) -> list:
+    """Replace the CUDA memory calls the chapter makes; returns the files dumped."""
+    dumped = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: snapshot)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dumped.append)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * 2**20)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 6 * 2**20)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: reserved_now)
+    return dumped
+
+
+def snapshot_of(*segments: tuple[int, int]) -> dict:
+    """A snapshot as ``torch.cuda.memory._snapshot`` documents it, for these
+    (total_size, allocated_size) segments."""
+    return {
+        "segments": [
+            {"total_size": total, "allocated_size": allocated, "blocks": []}
+            for total, allocated in segments
+        ],
+        "device_traces": [[]],
+    }
+
+
+def run_allocator_cell(monkeypatch, snapshot: dict, reserved_now: int) -> list:
+    cell, _ = cell_and_inline_values("07-memory.qmd", "_record_memory_history")
+    dumped = cuda_memory_stand_ins(monkeypatch, snapshot, reserved_now)
+    trainer = types.SimpleNamespace(train_step=lambda batches: None)
+    namespace = {
+        "torch": torch,
+        "profile": cuda_profile(),
+        "fresh_model": lambda config, shape: None,
+        "Trainer": lambda model, config, device: trainer,
+        "TrainConfig": lambda: None,
+        "config": None,
+        "shape": None,
+        "idx": None,
+        "targets": None,
+    }
+    exec(cell, namespace)
+    return dumped
+
+
+def test_the_allocator_cell_splits_the_segments_it_is_given(monkeypatch, capsys):
+    dumped = run_allocator_cell(
+        monkeypatch, snapshot_of((4 * 2**20, 3 * 2**20), (2 * 2**20, 0)), 6 * 2**20
+    )
+    assert dumped == ["07-memory-snapshot.pickle"]
+    out = capsys.readouterr().out
+    assert "2 segments of 0.01 GB in all" in out
+    assert "cached free blocks 0.00 GB" in out
+
+
+def test_the_allocator_cells_check_fails_when_segments_miss_reserved_bytes(
+    monkeypatch,
+):
+    with pytest.raises(AssertionError, match="sum of the segments"):
+        run_allocator_cell(monkeypatch, snapshot_of((4 * 2**20, 3 * 2**20)), 2**23)
+
+
+def test_the_expandable_segments_cell_reads_what_growing_batch_prints(
+    monkeypatch, capsys
+):
+    cell, _ = cell_and_inline_values("07-memory.qmd", "expandable_segments:")
+    runs = []
+    MiB = 2**20
+    # what the devlog the chapter cites predicts: 256 MiB reserved without, 140 with
+    reserved = {"False": 256 * MiB, "True": 140 * MiB}
+
+    def fake_run(command, env, capture_output, check):
+        runs.append((command, env["PYTORCH_CUDA_ALLOC_CONF"]))
+        setting = env["PYTORCH_CUDA_ALLOC_CONF"].split(":")[1]
+        stdout = f"{128 * MiB} {reserved[setting]}\n".encode()
+        return types.SimpleNamespace(stdout=stdout)
+
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    namespace = {"profile": cuda_profile()}
+    exec(cell, namespace)
+    assert [setting for _, setting in runs] == [
+        "expandable_segments:False",
+        "expandable_segments:True",
+    ]
+    # the program each process runs imports and calls the package's own function
+    program = runs[0][0][-1]
+    compile(program, "RUN", "exec")
+    from torchbook.memory_measure import growing_batch  # noqa: F401
+
+    assert "reserved 140 MiB" in capsys.readouterr().out
+
+
+def test_the_ddp_job_cell_gives_each_node_its_own_gpu(monkeypatch, tmp_path, capsys):
+    cell, inline = cell_and_inline_values("06-devices.qmd", "train_ddp.py")
+    sizes = active_profile().devices
+    launched = []
+
+    def fake_launch_together(commands, timeout_s, cwd=None, env=None):
+        launched.extend(commands)
+        out = tmp_path / "ddp"
+        out.mkdir(exist_ok=True)
+        log = {
+            "history": [{"step": 1, "loss": 5.5}, {"step": 12, "loss": 3.0}],
+            "val_loss_mean_over_ranks": 3.1,
+        }
+        (out / "log.json").write_text(json.dumps(log))
+        return ["step   1  loss 5.5000", "rank 0: 4 all-reduces unsynced"]
+
+    monkeypatch.setattr(torchbook.distributed, "launch_together", fake_launch_together)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    namespace = {
+        "torch": torch,
+        "profile": cuda_profile(),
+        "sizes": sizes,
+        "work": tmp_path,
+    }
+    exec(cell, namespace)
+    exec(inline, namespace)
+    visible = [word for command in launched for word in command if "VISIBLE" in word]
+    assert visible == [f"CUDA_VISIBLE_DEVICES={node}" for node in range(2)]
+    assert all(command[-2:] == ["--device", "cuda"] for command in launched)
+    shown = capsys.readouterr().out.splitlines()[:2]
+    assert shown[0].startswith("CUDA_VISIBLE_DEVICES=0 torchrun --nnodes=2")
+
+
+@pytest.mark.slow
+def test_fsdp2_in_bf16_trains_to_ddps_losses_as_the_gpu_profile_runs_it(tmp_path):
+    """parallel_checks.py --bf16, the gpu profile's FSDP2 run, on two gloo ranks."""
+    sizes = active_profile().devices
+    generator = torch.Generator().manual_seed(0)
+    rows = sizes.world_size * sizes.micro_batch_size
+    shape = (sizes.check_steps, sizes.accum_steps, rows, sizes.block_size)
+    data = {
+        "x": torch.randint(0, sizes.vocab_size, shape, generator=generator),
+        "y": torch.randint(0, sizes.vocab_size, shape, generator=generator),
+        "model": dict(
+            vocab_size=sizes.vocab_size,
+            block_size=sizes.block_size,
+            n_layer=sizes.n_layer,
+            n_head=sizes.n_head,
+            d_model=sizes.d_model,
+        ),
+        "train": dict(
+            max_steps=sizes.check_steps,
+            lr=sizes.lr,
+            min_lr=sizes.lr / 10,
+            warmup_steps=1,
+            accum_steps=sizes.accum_steps,
+            log_every=1,
+        ),
+        "seed": 0,
+    }
+    torch.save(data, tmp_path / "batches.pt")
+    arguments = ["--batches", tmp_path / "batches.pt", "--out", tmp_path, "--bf16"]
+    launch(
+        torchrun_command(ROOT / "examples" / "parallel_checks.py", arguments),
+        timeout_s=240,
+        cwd=ROOT,
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["bf16"]
+    ddp, fsdp = np.array(results["ddp_losses"]), np.array(results["fsdp_losses"])
+    # The chapter's tolerance for bf16 parameters. bf16 rounds each weight and
+    # activation by up to 2^-9 of itself on any device; the losses here agree to
+    # ~1e-4, so 1e-2 leaves the CUDA kernels' own rounding a wide margin.
+    np.testing.assert_allclose(fsdp, ddp, rtol=1e-2)
+    assert np.max(np.abs(fsdp / ddp - 1)) < 1e-3
+    # The chapter's count of FSDP2's collectives holds with bf16 gathers too.
+    blocks = sizes.n_layer
+    assert results["fsdp_parameter"]["collectives"] == {
+        "_allgather_base": sizes.accum_steps * (2 * blocks + 1),
+        "_reduce_scatter_base": blocks + 1,
+        "allreduce": 2,
+        "all_reduce": 1,
+    }
