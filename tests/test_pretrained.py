@@ -9,7 +9,8 @@ import torch
 import transformers
 
 from torchbook.hf_checkpoint import load_pretrained
-from torchbook.pretrained import PretrainedSizes, make_stand_in
+from torchbook.pretrained import make_stand_in
+from torchbook.profiles import PretrainedSizes
 from torchbook.tokenizer import train_bpe
 
 TEXT = (

@@ -32,7 +32,7 @@ Chapters 1-5:
 - ``plotting``: loss curves and training diagnostics from a history, memory per kind.
 - ``diagrams``: pictures drawn from live objects: a tensor's storage and strides,
   broadcasting, a module tree with its parameters and buffers, one step under DDP or
-  FSDP2.
+  FSDP2; and ``show_error``, the one printer for the errors chapters provoke.
 - ``shards``: token ids on disk as shards with a header, written atomically, checked
   before use, cached.
 - ``data``: the tutorial ``TokenDataset`` and a streaming ``IterableDataset`` over
@@ -53,7 +53,7 @@ Chapters 1-5:
 - ``weights``: publishing: safetensors (tied weights as ``save_model`` stores them), a
   sharded index, loading on the ``meta`` device (builds on ``state_dicts``).
 
-Chapters 6-8 and the results of full-size runs:
+Chapters 6, 7 and 9, and the results of full-size runs:
 
 - ``distributed``: process groups, rank slices, all-reduce counting and launching
   ``torchrun`` jobs that always end.
@@ -80,6 +80,20 @@ Chapters 6-8 and the results of full-size runs:
 - ``results``: results of full-size runs as JSON with provenance, and their staleness.
 - ``dry_run``: the GPU runs' training steps at full size on fake tensors, without a GPU:
   shapes, and the peak memory ``MemTracker`` tracks beside ``memory.predict_peak``.
+
+Chapter 8, other people's models:
+
+- ``llama``: a Llama-family model (RMSNorm, SwiGLU, RoPE with ``rope_theta`` and Llama
+  3's scaling, grouped-query attention, a KV cache of the key/value heads, sampling)
+  (builds on ``models`` for RoPE's rotation and the token-id check).
+- ``hf_checkpoint``: a Hugging Face model folder (``config.json``, sharded safetensors)
+  parsed, checked and loaded into ``llama``, and saved back as a folder
+  ``transformers`` loads (builds on ``llama``, ``weights`` and ``state_dicts``).
+- ``lora``: LoRA by hand: adapters on frozen linear layers, merged, or saved in PEFT's
+  format (builds on ``weights``).
+- ``pretrained``: the stand-in "pretrained" checkpoint the build makes with
+  ``transformers``, since it cannot download one (builds on ``hf`` and
+  ``tokenizer``).
 
 Scripts a chapter launches (the kill-and-resume run, the ``torchrun`` job,
 ``make gpu-results``) live in ``examples/``, outside the package.

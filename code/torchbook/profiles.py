@@ -249,6 +249,34 @@ class MemorySizes:
 
 
 @dataclass(frozen=True)
+class PretrainedSizes:
+    """Chapter 8: the stand-in checkpoint and the LoRA fine-tune of it."""
+
+    # The stand-in Llama: grouped-query attention, an untied head, as most Llamas.
+    d_model: int = size(cpu=64, gpu=512)
+    n_layer: int = size(cpu=2, gpu=8)
+    n_head: int = size(cpu=4, gpu=8)
+    n_kv_head: int = size(cpu=2, gpu=2)
+    mlp_size: int = size(cpu=176, gpu=1376)  # about 8/3 d_model, as in Llama
+    max_positions: int = size(cpu=128, gpu=512)  # its context, trained in full
+    tie_embeddings: bool = False
+    # Its pretraining on Tiny Shakespeare: a few seconds on the cpu profile.
+    batch_size: int = size(cpu=8, gpu=32)  # rows of max_positions + 1 tokens
+    steps: int = size(cpu=120, gpu=2000)
+    lr: float = size(cpu=3e-3, gpu=1e-3)
+    # largest shard save_pretrained writes: several shards, as on the hub
+    max_shard_bytes: int = size(cpu=300_000, gpu=20_000_000)
+    # The LoRA fine-tune on chat records that fit the context.
+    lora_rank: int = size(cpu=8, gpu=16)
+    lora_alpha: float = size(cpu=16.0, gpu=32.0)
+    finetune_records: int = size(cpu=600, gpu=5000)
+    heldout_records: int = size(cpu=100, gpu=500)
+    finetune_rows: int = size(cpu=8, gpu=16)  # packed rows per step
+    finetune_steps: int = size(cpu=60, gpu=600)
+    finetune_lr: float = size(cpu=3e-3, gpu=1e-3)
+
+
+@dataclass(frozen=True)
 class Profile:
     """Device and run sizes for one profile.
 
@@ -265,6 +293,7 @@ class Profile:
     lab: LabSizes = LabSizes()
     devices: DeviceSizes = DeviceSizes()
     memory: MemorySizes = MemorySizes()
+    pretrained: PretrainedSizes = PretrainedSizes()
     seed: int = 1337
 
 
@@ -302,6 +331,7 @@ def gpu_profile(device: torch.device) -> Profile:
         lab=gpu_sizes(cpu.lab),
         devices=gpu_sizes(cpu.devices),
         memory=gpu_sizes(cpu.memory),
+        pretrained=gpu_sizes(cpu.pretrained),
     )
 
 
