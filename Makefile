@@ -12,9 +12,9 @@ STAMP := $(VENV)/.installed
 
 # make gpu-results: every full-size result the book shows, as JSON with provenance in assets/results/.
 # Meant for a GPU machine; PROFILE=cpu writes the same files from the small sizes.
-# DRY_RUN=1 runs each run's training step at the gpu sizes on fake tensors (no GPU, nothing
-# computed at full size) and records its peak memory beside the formula's, in
-# <run>-gpu-dry-run.json files the chapters never read.
+# DRY_RUN=1 calls the same run functions at the gpu sizes on fake tensors (no GPU, nothing
+# computed at full size; counts cut to a few steps) and records each run's peak memory
+# beside the formula's, in <run>-gpu-dry-run.json files the chapters never read.
 PROFILE ?= gpu
 RESULTS_DIR ?= assets/results
 DRY_RUN ?=

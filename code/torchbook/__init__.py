@@ -66,7 +66,7 @@ Chapters 6, 7 and 9, and the results of full-size runs:
 - ``recompute``: selective activation checkpointing with ``torch.utils.checkpoint``'s
   policy API (builds on ``models``).
 - ``gpu_fit``: whether the book's GPU runs fit, predicted at the gpu profile's sizes
-  (builds on ``memory``, ``models`` and ``profiles``).
+  (builds on ``memory``, ``models`` and ``charlm``).
 - ``flops``: a GPT's training FLOPs per token from the formula and from
   ``FlopCounterMode``, the device's measured matmul peak, tokens per second and MFU
   (builds on ``models`` and ``memory``).
@@ -78,8 +78,10 @@ Chapters 6, 7 and 9, and the results of full-size runs:
 - ``drills``: the exercise notebook's checkers, independent of ``lab`` on purpose: they
   recompute from your objects, not from the lab's code.
 - ``results``: results of full-size runs as JSON with provenance, and their staleness.
-- ``dry_run``: the GPU runs' training steps at full size on fake tensors, without a GPU:
-  shapes, and the peak memory ``MemTracker`` tracks beside ``memory.predict_peak``.
+- ``dry_run``: the GPU job's own run functions at full size on fake tensors, without a
+  GPU (``FakeRun``): values read from data stay real, values the model computes are
+  placeholders, and the peak memory is tracked (builds on ``charlm``, ``gpu_fit``,
+  ``lab``, ``memory``, ``memory_measure``, ``models`` and ``train``).
 
 Chapter 8, other people's models:
 
