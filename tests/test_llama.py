@@ -21,6 +21,7 @@ from torchbook.llama import (
     next_token,
     rope_frequencies,
 )
+from torchbook.models import INIT_STD
 
 CONFIG = LlamaConfig(
     vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, mlp_size=48
@@ -196,3 +197,38 @@ def test_top_k_of_one_is_greedy():
 def test_a_sampling_setting_out_of_range_is_refused(settings):
     with pytest.raises(ValueError, match=f"Sampling.{next(iter(settings))}"):
         Sampling(**settings)
+
+
+def test_packed_rows_cannot_use_the_kv_cache_which_keeps_no_document_ids():
+    # Before this was refused, the cache's causal mask replaced the document mask
+    # and a query saw the other documents of its row.
+    model = tiny_llama()
+    cache = model.empty_cache(1, 6, torch.device("cpu"))
+    with pytest.raises(ValueError, match="document_ids cannot be combined"):
+        model(
+            ids(1, 6),
+            document_ids=torch.zeros(1, 6, dtype=torch.long),
+            kv_cache=(cache, 0),
+        )
+
+
+@pytest.mark.parametrize("position", [-1, 6])
+def test_a_position_id_outside_the_row_is_refused_naming_the_argument(position):
+    position_ids = torch.arange(6)[None].clone()
+    position_ids[0, 3] = position
+    with pytest.raises(ValueError, match=r"position_ids run from .* outside \[0, 6\)"):
+        tiny_llama()(ids(1, 6), position_ids=position_ids)
+
+
+def test_weights_start_at_the_gpts_initialisation():
+    # one home: models.init_weights, N(0, INIT_STD) for every linear and embedding
+    torch.manual_seed(0)
+    model = Llama(
+        LlamaConfig(
+            vocab_size=512, n_layer=1, n_head=4, n_kv_head=2, d_model=128, mlp_size=256
+        )
+    )
+    for name in ("token_embedding.weight", "blocks.0.mlp.gate.weight"):
+        weight = model.get_parameter(name)
+        # about 32,000 and 65,000 draws: the sample std is within 2% of 0.02
+        assert weight.std().item() == pytest.approx(INIT_STD, rel=0.02), name

@@ -23,6 +23,7 @@ from torchbook.models import (
     apply_rope,
     check_token_ids,
     count_parameters,
+    document_causal_mask,
     masked_softmax_attention,
     rope_tables,
 )
@@ -209,9 +210,13 @@ def test_one_document_per_row_through_the_mask_buffer_equals_is_causal():
     )
 
 
-def test_document_causal_mask_lets_a_query_see_earlier_keys_of_its_own_document_only():
+@pytest.mark.parametrize("causal", ["built", "the GPT's buffer"])
+def test_document_causal_mask_lets_a_query_see_earlier_keys_of_its_own_document_only(
+    causal,
+):
     document_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5]])
-    mask = make_model().document_causal_mask(document_ids)
+    buffer = make_model().causal_mask if causal == "the GPT's buffer" else None
+    mask = document_causal_mask(document_ids, buffer)
     assert mask.shape == (2, 1, 8, 8) and mask.dtype == torch.bool
     for row in range(2):
         for query in range(8):
@@ -220,6 +225,20 @@ def test_document_causal_mask_lets_a_query_see_earlier_keys_of_its_own_document_
                     key <= query and document_ids[row, key] == document_ids[row, query]
                 )
                 assert mask[row, 0, query, key].item() == allowed, (row, query, key)
+
+
+def test_rope_tables_from_given_frequencies_turn_each_pair_by_position_times_it():
+    inv_freq = torch.tensor([1.0, 0.5, 0.25])  # any frequencies, not base's
+    cos, sin = rope_tables(head_size=6, block_size=5, inv_freq=inv_freq)
+    positions = torch.arange(5.0)[:, None]
+    angles = torch.cat((positions * inv_freq, positions * inv_freq), dim=-1)
+    assert torch.equal(cos, angles.cos()) and torch.equal(sin, angles.sin())
+    # the default frequencies, given explicitly, give the default tables
+    default = ROPE_BASE ** (-torch.arange(0, 8, 2, dtype=torch.float32) / 8)
+    for given, made in zip(
+        rope_tables(8, 5, inv_freq=default), rope_tables(8, 5), strict=True
+    ):
+        assert torch.equal(given, made)
 
 
 def packed_pair(

@@ -13,11 +13,11 @@ Llama 3.2, ...) are the book's GPT with four parts changed:
 - **SwiGLU** instead of the GELU MLP: ``down(silu(gate(x)) * up(x))``, a gated
   MLP (Shazeer 2020); three matrices of width ``mlp_size`` instead of two.
 - **RoPE with the checkpoint's base** (``rope_theta``) and, for Llama 3.1 and
-  later, its rescaled frequencies. The rotation itself is the GPT's (the
-  rotate-half layout Hugging Face checkpoints use), imported from
-  ``torchbook.models``. The cos and sin tables are computed from the positions
-  at each call instead of stored: for Llama 3.1's 131,072 positions and heads of
-  128 features, stored float32 tables would take 134 MB.
+  later, its rescaled frequencies. The tables and the rotation are the GPT's
+  (the rotate-half layout Hugging Face checkpoints use), from
+  ``torchbook.models``, but made at each call for the positions it reaches
+  instead of stored: for Llama 3.1's 131,072 positions and heads of 128
+  features, stored float32 tables would take 134 MB.
 - **Grouped-query attention**: ``n_head`` query heads share ``n_kv_head`` key
   and value heads (Ainslie et al. 2023), so the KV cache, which stores only
   those, is ``n_head / n_kv_head`` times smaller.
@@ -26,8 +26,8 @@ No linear layer has a bias. The names are the book's (``blocks.0.attn.query``);
 ``torchbook.hf_checkpoint`` maps them to Hugging Face's. ``generate`` decodes
 greedily, or samples with temperature, top-k and top-p from a seeded generator.
 
-It builds on ``torchbook.models`` for RoPE's rotation, the token-id check and
-the initialisation's standard deviation.
+It builds on ``torchbook.models`` for RoPE's tables and rotation, the packed
+rows' mask, the token-id check and the initialisation.
 """
 
 from __future__ import annotations
@@ -39,7 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchbook.models import INIT_STD, apply_rope, check_token_ids
+from torchbook.models import (
+    apply_rope,
+    check_token_ids,
+    document_causal_mask,
+    init_weights,
+    rope_tables,
+)
 
 
 @dataclass(frozen=True)
@@ -116,19 +122,6 @@ def rope_frequencies(config: LlamaConfig, device: torch.device) -> torch.Tensor:
     )
     smooth = smooth.clamp(0.0, 1.0)
     return (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-
-
-def rope_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cos and sin (..., T, head_size), float32, for integer ``positions`` (..., T).
-
-    Both halves of the last dimension carry the same angles, as ``rotate_half``
-    (``torchbook.models``) expects.
-    """
-    angles = positions[..., None].float() * inv_freq
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
 
 
 class RMSNorm(nn.Module):
@@ -299,9 +292,9 @@ def next_token(
 class Llama(nn.Module):
     """A Llama-family decoder: (B, T) token ids -> (B, T, vocab) logits.
 
-    No buffers: RoPE's angles come from the positions at each call, and the
-    causal mask from SDPA's ``is_causal`` (or, for packed rows and the KV cache,
-    from the positions too).
+    No buffers: each call makes RoPE's tables for the positions it reaches
+    (far smaller than the KV cache they serve), and the causal mask is SDPA's
+    ``is_causal``, or built for packed rows and the KV cache.
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -313,9 +306,7 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:  # one Parameter, two uses, as in the book's GPT
             self.lm_head.weight = self.token_embedding.weight
-        for module in self.modules():  # N(0, 0.02), as Hugging Face initialises
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+        self.apply(init_weights)  # N(0, 0.02), as Hugging Face initialises
 
     def forward(
         self,
@@ -326,9 +317,10 @@ class Llama(nn.Module):
     ) -> torch.Tensor:
         """Logits (B, T, vocab_size) for token ids ``idx`` (B, T).
 
-        Packed rows pass ``position_ids`` (restarting at 0 in each document) and
-        ``document_ids`` (B, T), as for the GPT; attention then stays inside
-        each document. ``kv_cache``: ``(cache, start)``, see ``generate``.
+        Packed rows pass ``position_ids`` (restarting at 0 in each document, so
+        each below T) and ``document_ids`` (B, T), as for the GPT; attention then
+        stays inside each document. ``kv_cache``: ``(cache, start)``, see
+        ``generate``; it keeps no document ids, so it takes one document per row.
         """
         start = 0 if kv_cache is None else kv_cache[1]
         end = start + idx.size(1)
@@ -342,17 +334,31 @@ class Llama(nn.Module):
                 f"Llama.forward: position {end - 1} is beyond max_positions="
                 f"{self.config.max_positions}, the longest context of this model"
             )
+        if document_ids is not None and kv_cache is not None:
+            raise ValueError(
+                "Llama.forward: document_ids cannot be combined with kv_cache, "
+                "which keeps no document ids; generate one document per row"
+            )
         if idx.device.type == "cpu" and not torch.compiler.is_compiling():
             check_token_ids(idx, self.config.vocab_size, where="Llama.forward: idx")
-        steps = torch.arange(start, end, device=idx.device)
-        # (B, 1, T) for packed rows: broadcasts over the heads
-        positions = steps if position_ids is None else position_ids[:, None, :]
-        cos, sin = rope_cos_sin(rope_frequencies(self.config, idx.device), positions)
+            if position_ids is not None:  # RoPE's tables have a row per position
+                low, high = int(position_ids.min()), int(position_ids.max())
+                if low < 0 or high >= end:
+                    raise ValueError(
+                        f"Llama.forward: position_ids run from {low} to {high}, "
+                        f"outside [0, {end}), the positions of the row"
+                    )
+        inv_freq = rope_frequencies(self.config, idx.device)
+        cos, sin = rope_tables(self.config.head_size, end, inv_freq=inv_freq)
+        if position_ids is None:  # positions start..end-1, after those cached
+            cos, sin = cos[start:], sin[start:]
+        else:  # each token's own; (B, 1, T, head_size) broadcasts over the heads
+            cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)
         attn_mask = None  # SDPA's is_causal
         if document_ids is not None:  # causal, and inside one document
-            same = document_ids[:, :, None] == document_ids[:, None, :]
-            attn_mask = (same & torch.ones_like(same).tril()).unsqueeze(1)
-        if kv_cache is not None:  # query at position p sees the cached keys 0..p
+            attn_mask = document_causal_mask(document_ids)
+        elif kv_cache is not None:  # query at position p sees the cached keys 0..p
+            steps = torch.arange(start, end, device=idx.device)
             attn_mask = steps[:, None] >= torch.arange(end, device=idx.device)
 
         x = self.token_embedding(idx)

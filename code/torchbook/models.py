@@ -11,24 +11,18 @@ Positions enter through rotary position embeddings (RoPE) applied to queries and
 keys, so the model has no position-embedding parameters. ``forward`` returns
 logits only: the training loop computes the loss itself, in float32.
 
-Two options serve LLM training at scale:
+Two options serve LLM training at scale. Packed rows,
+``forward(idx, position_ids=..., document_ids=...)``, hold several documents:
+positions restart at 0 in each, and attention stays inside each (a
+block-diagonal causal mask), so each is computed as if alone.
+``GPTConfig(activation_checkpointing=True)`` recomputes each block in the
+backward pass: less activation memory for one more forward.
 
-- Packed sequences: ``forward(idx, position_ids=..., document_ids=...)`` takes
-  rows that hold several documents. Positions restart at 0 in each document
-  (RoPE reads them) and attention stays inside each document (a block-diagonal
-  causal mask), so each document is computed as if it were alone.
-- ``GPTConfig(activation_checkpointing=True)`` keeps only each block's input
-  during the forward pass and recomputes the block in the backward pass:
-  less activation memory for one more forward.
+Token ids and positions out of range are refused, naming the value, on the CPU.
+On an accelerator, reading them back would stall every step: check token ids
+on the host before moving them (``check_token_ids``).
 
-Token ids outside ``[0, vocab_size)`` and positions outside ``[0, block_size)``
-are refused with an error naming the value when the input is on the CPU. On an
-accelerator they are not checked here: reading them back would stall the device
-at every step, so check token ids on the host before moving them
-(``check_token_ids``), where a data pipeline already has them.
-
-This file imports only torch (plus dataclasses and math), so you can copy it
-into another project as it is.
+It imports only torch (plus dataclasses and math): copy it into a project as is.
 """
 
 from __future__ import annotations
@@ -42,9 +36,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
-# Standard deviation of every weight at initialisation (GPT-2's choice): small
-# enough that the first logits are nearly uniform, so the first loss is close to
-# log(vocab_size).
+# Standard deviation of every weight at initialisation (GPT-2's): the first
+# logits are nearly uniform, so the first loss is close to log(vocab_size).
 INIT_STD = 0.02
 # RoPE's base: rotation frequencies run from 1 down to about 1/ROPE_BASE
 # radians per position, as in the RoFormer paper and most open LLMs.
@@ -95,16 +88,22 @@ class GPTConfig:
 
 
 def rope_tables(
-    head_size: int, block_size: int, base: float = ROPE_BASE
+    head_size: int,
+    block_size: int,
+    base: float = ROPE_BASE,
+    inv_freq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine and sine tables, each (block_size, head_size), for RoPE.
 
-    Feature pair i of position t is rotated by the angle t * base**(-2i/head_size).
-    Both halves of the last dimension carry the same angles, matching
-    ``rotate_half`` below (the "split halves" convention used by GPT-NeoX and Llama).
+    Feature pair i of position t turns by t * inv_freq[i]: base**(-2i/head_size),
+    or the frequencies given (Llama 3 rescales them), on their device. Both halves
+    carry the same angles, as ``rotate_half`` below expects (the "split halves"
+    convention of GPT-NeoX and Llama).
     """
-    inv_freq = base ** (-torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
-    positions = torch.arange(block_size, dtype=torch.float32)
+    if inv_freq is None:
+        pairs = torch.arange(0, head_size, 2, dtype=torch.float32)
+        inv_freq = base ** (-pairs / head_size)
+    positions = torch.arange(block_size, dtype=torch.float32, device=inv_freq.device)
     angles = torch.outer(positions, inv_freq)  # (block_size, head_size/2)
     angles = torch.cat((angles, angles), dim=-1)  # (block_size, head_size)
     return angles.cos(), angles.sin()
@@ -123,6 +122,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     so that q, k and v reach attention with one dtype.
     """
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+def document_causal_mask(
+    document_ids: torch.Tensor, causal_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(B, 1, T, T) bool for packed rows: a query sees its own document's past only.
+
+    ``causal_mask`` (True on and below the diagonal: the GPT's buffer, or built
+    here) AND "same document"; the size-1 dimension broadcasts over the heads.
+    """
+    steps = document_ids.size(1)
+    same_document = document_ids[:, :, None] == document_ids[:, None, :]
+    if causal_mask is None:
+        causal_mask = torch.ones_like(same_document[0]).tril()
+    return (causal_mask[:steps, :steps] & same_document).unsqueeze(1)
 
 
 def _check_range(ids: torch.Tensor, limit: int, what: str, expected: str) -> None:
@@ -255,6 +269,19 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_mlp(x))
 
 
+def init_weights(module: nn.Module) -> None:
+    """Normal(0, 0.02) for linear and embedding weights, zero biases (``apply`` it).
+
+    PyTorch's Embedding default, N(0, 1), would make a tied head's first logits
+    huge; GPT-2's single small std gives near-uniform first predictions, so
+    training starts near loss = log(vocab_size). Norm layers keep their default.
+    """
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class GPT(nn.Module):
     """A small decoder-only language model: (B, T) token ids -> (B, T, vocab) logits.
 
@@ -285,29 +312,15 @@ class GPT(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-        self.apply(self._init_weights)
+        self.apply(init_weights)
         self._scale_residual_projections()
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        """Normal(0, 0.02) for linear and embedding weights, zero biases.
-
-        PyTorch's Embedding default, N(0, 1), would make the tied head's first logits
-        huge; GPT-2's single small std gives near-uniform first predictions, so
-        training starts near loss = log(vocab_size). LayerNorm keeps its default.
-        """
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     def _scale_residual_projections(self) -> None:
         """Re-initialise the two projections that write into the residual stream.
 
-        Each block adds two outputs to the residual stream, so at initialisation
-        its variance grows with the 2 * n_layer additions. Scaling those
-        projections' std by 1/sqrt(2 * n_layer) (GPT-2) keeps the stream's scale
-        roughly independent of depth.
+        Each block adds two outputs to the stream, so at initialisation its
+        variance grows with the 2 * n_layer additions; GPT-2 scales their std by
+        1/sqrt(2 * n_layer), keeping the stream's scale roughly independent of depth.
         """
         std = INIT_STD / math.sqrt(2 * self.config.n_layer)
         for block in self.blocks:
@@ -374,7 +387,7 @@ class GPT(nn.Module):
             sin = self.rope_sin[position_ids].unsqueeze(1)
         attn_mask = None  # SDPA's own causal mask (is_causal=True)
         if document_ids is not None:  # packed rows: causal within each document
-            attn_mask = self.document_causal_mask(document_ids)
+            attn_mask = document_causal_mask(document_ids, self.causal_mask)
         elif kv_cache is not None:  # each query sees the cached keys and its own
             attn_mask = self.causal_mask[start:end, :end]
         recompute = (
@@ -396,16 +409,6 @@ class GPT(nn.Module):
         # of the final hidden state with one token's embedding.
         return x if return_hidden else self.lm_head(x)
 
-    def document_causal_mask(self, document_ids: torch.Tensor) -> torch.Tensor:
-        """(B, 1, T, T) bool for packed rows: a query sees its own document's past only.
-
-        Block-diagonal and causal: the ``causal_mask`` buffer AND "same document".
-        The middle dimension of size 1 broadcasts over the heads.
-        """
-        steps = document_ids.size(1)
-        same_document = document_ids[:, :, None] == document_ids[:, None, :]
-        return (self.causal_mask[:steps, :steps] & same_document).unsqueeze(1)
-
     @torch.inference_mode()
     def generate(
         self,
@@ -419,12 +422,11 @@ class GPT(nn.Module):
         """Append ``max_new_tokens`` sampled tokens to the prompt ``idx`` (B, T >= 1).
 
         Returns (B, T + max_new_tokens). Each step feeds at most the last block_size
-        tokens, divides the last position's logits by ``temperature``, keeps the
-        ``top_k`` largest if given, and draws from the softmax with ``generator`` on
-        its device, so a CPU generator draws the same numbers whatever device holds
-        the model. Call ``model.eval()`` first: the mode is left as it is.
-        ``use_cache`` keeps every layer's keys and values, so a step runs one
-        position while they fit block_size.
+        tokens, divides the last logits by ``temperature``, keeps the ``top_k``
+        largest if given, and draws with ``generator`` on its device, so a CPU
+        generator draws the same numbers whatever device holds the model. Call
+        ``model.eval()`` first. ``use_cache`` keeps every layer's keys and values,
+        so a step runs one position while they fit block_size.
         """
         if idx.dim() != 2 or idx.size(1) == 0:  # the first draw reads the last token
             raise ValueError(
@@ -453,9 +455,8 @@ class GPT(nn.Module):
                 logits = self(idx[:, -1:], kv_cache=(cache, idx.size(1) - 1))
             logits = logits[:, -1, :].float() / temperature
             if top_k is not None:
-                kth_largest = torch.topk(
-                    logits, min(top_k, logits.size(-1)), dim=-1
-                ).values[:, -1:]
+                k = min(top_k, logits.size(-1))
+                kth_largest = torch.topk(logits, k, dim=-1).values[:, -1:]
                 logits = logits.masked_fill(logits < kth_largest, float("-inf"))
             probs = logits.softmax(dim=-1).to(sample_device)
             next_token = torch.multinomial(probs, num_samples=1, generator=generator)
@@ -492,8 +493,7 @@ class TinyMLP(nn.Module):
 def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
     """Number of scalar parameters in ``model`` (by default only trainable ones).
 
-    ``model.parameters()`` yields each Parameter object once, so a tied weight
-    (the GPT's embedding and head) is counted once, as it is stored and trained once.
+    A tied weight (the GPT's embedding and head) is one Parameter, counted once.
     """
     return sum(
         p.numel() for p in model.parameters() if p.requires_grad or not trainable_only
