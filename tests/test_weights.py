@@ -146,7 +146,8 @@ def test_legacy_alias_metadata_is_still_read(tmp_path):
         ),
         (
             json.dumps({TIED[0]: "no.such.tensor"}),
-            r"metadata field 'torchbook.aliases' names tensors the file does not hold: \['no.such.tensor'\]",
+            r"metadata field 'torchbook.aliases' names tensors the file does not "
+            r"hold: \['no.such.tensor'\]",
         ),
     ],
     ids=["not-json", "not-an-object", "alias-to-missing-tensor"],

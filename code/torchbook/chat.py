@@ -150,8 +150,9 @@ def pack_documents(
             raise ValueError(f"example {index} has no tokens; drop it before packing")
         if length > row_length:
             raise ValueError(
-                f"example {index} has {length} tokens, more than row_length={row_length}; "
-                "split or truncate it first, or make rows longer"
+                f"example {index} has {length} tokens, more than "
+                f"row_length={row_length}; split or truncate it first, or make "
+                "rows longer"
             )
         row = next((r for r, space in enumerate(free) if space >= length), len(rows))
         if row == len(rows):

@@ -45,7 +45,7 @@ from torchbook.llama import Llama, Llama3RopeScaling, LlamaConfig
 from torchbook.state_dicts import CheckpointError, check_state_dict
 from torchbook.weights import (
     SAFETENSORS_INDEX,
-    _open,
+    open_safetensors,
     read_index,
     save_sharded_safetensors,
 )
@@ -74,7 +74,9 @@ KEY_MAP = {
     "model.layers.{layer}.self_attn.k_proj.weight": "blocks.{layer}.attn.key.weight",
     "model.layers.{layer}.self_attn.v_proj.weight": "blocks.{layer}.attn.value.weight",
     "model.layers.{layer}.self_attn.o_proj.weight": "blocks.{layer}.attn.proj.weight",
-    "model.layers.{layer}.post_attention_layernorm.weight": "blocks.{layer}.norm_mlp.weight",
+    "model.layers.{layer}.post_attention_layernorm.weight": (
+        "blocks.{layer}.norm_mlp.weight"
+    ),
     "model.layers.{layer}.mlp.gate_proj.weight": "blocks.{layer}.mlp.gate.weight",
     "model.layers.{layer}.mlp.up_proj.weight": "blocks.{layer}.mlp.up.weight",
     "model.layers.{layer}.mlp.down_proj.weight": "blocks.{layer}.mlp.down.weight",
@@ -131,7 +133,8 @@ def _refusals(raw: dict[str, Any]) -> list[str]:
             refused.append(f"{field}: true (the module's linear layers have no bias)")
     if raw.get("sliding_window") is not None:
         refused.append(
-            f"sliding_window {raw['sliding_window']} (attention here sees the whole past)"
+            f"sliding_window {raw['sliding_window']} (attention here sees the "
+            "whole past)"
         )
     if raw.get("quantization_config") is not None:
         refused.append(
@@ -270,7 +273,7 @@ def read_checkpoint(folder: str | Path) -> HFCheckpoint:
             )
     tensors: dict[str, StoredTensor] = {}
     for filename in files:
-        with _open(folder / filename) as handle:  # the header only
+        with open_safetensors(folder / filename) as handle:  # the header only
             for name in handle.keys():
                 where = folder / filename
                 if weight_map is not None and weight_map.get(name) != filename:
@@ -320,7 +323,8 @@ def load_weights(model: Llama, checkpoint: HFCheckpoint | str | Path) -> Llama:
         checkpoint = read_checkpoint(checkpoint)
     if checkpoint.config != model.config:
         differ = [
-            f"{name}: {value!r} in config.json, {getattr(model.config, name)!r} in the model"
+            f"{name}: {value!r} in config.json, "
+            f"{getattr(model.config, name)!r} in the model"
             for name, value in vars(checkpoint.config).items()
             if getattr(model.config, name) != value
         ]
@@ -340,7 +344,7 @@ def load_weights(model: Llama, checkpoint: HFCheckpoint | str | Path) -> Llama:
         by_file.setdefault(stored.file, []).append(key)
     with torch.no_grad():
         for path, keys in by_file.items():
-            with _open(path) as handle:
+            with open_safetensors(path) as handle:
                 for key in keys:
                     targets[key].copy_(handle.get_tensor(checkpoint.tensors[key].name))
     return model

@@ -93,8 +93,9 @@ def drop_shared(
                 b.dtype,
             ):
                 raise CheckpointError(
-                    f"{name}: shares memory with {kept} but is a different view of it; safetensors "
-                    "cannot store overlapping tensors (clone one of them first)"
+                    f"{name}: shares memory with {kept} but is a different view of "
+                    "it; safetensors cannot store overlapping tensors (clone one of "
+                    "them first)"
                 )
             aliases[name] = kept
     tensors = {
@@ -150,7 +151,8 @@ def save_safetensors(
     clash = sorted(set(header) & (set(tensors) | set(aliases)))
     if clash:
         raise CheckpointError(
-            f"{path}: metadata keys {clash} are tensor names; they would be read as aliases"
+            f"{path}: metadata keys {clash} are tensor names; they would be read "
+            "as aliases"
         )
     header.update(aliases)
     return _write_safetensors(Path(path), tensors, header)
@@ -176,26 +178,33 @@ def _aliases(
             isinstance(k, str) and isinstance(v, str) for k, v in legacy.items()
         ):
             raise CheckpointError(
-                f"{source}: metadata field {LEGACY_ALIASES_KEY!r} is not a JSON object of names"
+                f"{source}: metadata field {LEGACY_ALIASES_KEY!r} is not a JSON "
+                "object of names"
             )
         missing = sorted(kept for kept in legacy.values() if kept not in stored)
         if missing:
             raise CheckpointError(
-                f"{source}: metadata field {LEGACY_ALIASES_KEY!r} names tensors the file does "
-                f"not hold: {missing}"
+                f"{source}: metadata field {LEGACY_ALIASES_KEY!r} names tensors the "
+                f"file does not hold: {missing}"
             )
         aliases.update(legacy)
     return aliases
 
 
-def _open(path: Path, device: str = "cpu"):
+def open_safetensors(path: Path, device: str = "cpu") -> safetensors.safe_open:
+    """``safe_open`` on ``path`` (the header only), or a CheckpointError naming it.
+
+    A missing, truncated or foreign file is refused with its path instead of
+    safetensors' own message, which does not name the file.
+    """
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     try:
         return safetensors.safe_open(path, framework="pt", device=device)
     except (safetensors.SafetensorError, OSError) as error:
         raise CheckpointError(
-            f"{path}: not a readable safetensors file ({error}); was the write interrupted?"
+            f"{path}: not a readable safetensors file ({error}); was the write "
+            "interrupted?"
         ) from error
 
 
@@ -207,7 +216,7 @@ def read_safetensors(
     Tied names share one tensor again.
     """
     path = Path(path)
-    with _open(path, device) as handle:
+    with open_safetensors(path, device) as handle:
         stored = set(handle.keys())
         aliases = _aliases(handle.metadata() or {}, stored, path)
         wanted = sorted(stored | set(aliases)) if names is None else list(names)
@@ -307,11 +316,13 @@ def read_index(folder_or_index: str | Path) -> tuple[Path, dict[str, str]]:
         ) from error
     if not isinstance(index, dict):
         raise CheckpointError(
-            f"{index_path}: the index is a JSON {type(index).__name__}, expected an object"
+            f"{index_path}: the index is a JSON {type(index).__name__}, expected an "
+            "object"
         )
     if not isinstance(index.get("metadata", {}), dict):
         raise CheckpointError(
-            f"{index_path}: field 'metadata' is a {type(index['metadata']).__name__}, expected an object"
+            f"{index_path}: field 'metadata' is a "
+            f"{type(index['metadata']).__name__}, expected an object"
         )
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict):
@@ -326,8 +337,8 @@ def read_index(folder_or_index: str | Path) -> tuple[Path, dict[str, str]]:
             or not filename.endswith(".safetensors")
         ):
             raise CheckpointError(
-                f"{index_path}: field 'weight_map'[{name!r}] is {filename!r}, expected the name "
-                "of a .safetensors file in the same folder"
+                f"{index_path}: field 'weight_map'[{name!r}] is {filename!r}, "
+                "expected the name of a .safetensors file in the same folder"
             )
     return index_path, weight_map
 
@@ -349,12 +360,9 @@ def read_sharded_safetensors(
         # A tied name has no bytes of its own: it is in the metadata of the shard
         # holding its tensor.
         for filename in files:
-            with _open(index_path.parent / filename) as handle:  # reads the header only
-                links = _aliases(
-                    handle.metadata() or {},
-                    set(handle.keys()),
-                    index_path.parent / filename,
-                )
+            shard = index_path.parent / filename
+            with open_safetensors(shard) as handle:  # reads the header only
+                links = _aliases(handle.metadata() or {}, set(handle.keys()), shard)
             where.update(
                 {
                     name: filename
@@ -365,7 +373,8 @@ def read_sharded_safetensors(
     unknown = [name for name in wanted if name not in where]
     if unknown:
         raise CheckpointError(
-            f"{index_path}: no tensor named {unknown[:LISTED_KEYS]} in field 'weight_map'"
+            f"{index_path}: no tensor named {unknown[:LISTED_KEYS]} in field "
+            "'weight_map'"
         )
     by_file: dict[str, list[str]] = {}
     for name in wanted:
@@ -425,7 +434,8 @@ def load_on_meta(
     still_meta = meta_tensors(model)
     if still_meta:
         raise CheckpointError(
-            f"{source}: after loading, {still_meta} are still on the meta device, with no values "
-            "(buffers that state_dict does not save); pass init_buffers= to compute them"
+            f"{source}: after loading, {still_meta} are still on the meta device, "
+            "with no values (buffers that state_dict does not save); pass "
+            "init_buffers= to compute them"
         )
     return model
