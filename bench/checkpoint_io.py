@@ -165,7 +165,8 @@ def main() -> None:
     parameters = count_parameters(model)
     if parameters < MIN_PARAMETERS:
         print(
-            f"note: {parameters:,} parameters, below the {MIN_PARAMETERS:,} the benchmark is meant for"
+            f"note: {parameters:,} parameters, "
+            f"below the {MIN_PARAMETERS:,} the benchmark is meant for"
         )
     state_dict = model.state_dict()
     tensors, _ = drop_shared(state_dict)
@@ -178,11 +179,13 @@ def main() -> None:
         folder / "plain.bin",
     )
     print(
-        f"torch {torch.__version__}, safetensors {safetensors.__version__}, {platform.platform()}, "
+        f"torch {torch.__version__}, safetensors {safetensors.__version__}, "
+        f"{platform.platform()}, "
         f"{os.cpu_count()} CPUs; files in {folder}"
     )
     print(
-        f"model: GPT {args.n_layer} layers x {args.d_model}, {parameters:,} parameters, "
+        f"model: GPT {args.n_layer} layers x {args.d_model}, "
+        f"{parameters:,} parameters, "
         f"{tensor_bytes / GB:.3f} GB of float32 tensors (tied head stored once)"
     )
 
@@ -249,7 +252,8 @@ def main() -> None:
         folder.rmdir()
 
     print(
-        f"file sizes: torch.save {sizes['torch'] / GB:.3f} GB, safetensors {sizes['safetensors'] / GB:.3f} GB"
+        f"file sizes: torch.save {sizes['torch'] / GB:.3f} GB, "
+        f"safetensors {sizes['safetensors'] / GB:.3f} GB"
     )
     print(f"best of {args.rounds} interleaved rounds, GB/s of tensor data:")
     width = max(map(len, results))
@@ -258,16 +262,19 @@ def main() -> None:
     for name, fraction in still_cached.items():
         if name.endswith(" warm"):
             print(
-                f"  page cache: {fraction:.0%} of the file resident after the warm {name[:-5]} loads"
+                f"  page cache: {fraction:.0%} of the file resident "
+                f"after the warm {name[:-5]} loads"
             )
         else:
             print(
-                f"  page cache: at most {fraction:.0%} of the file resident before each cold {name} load"
+                f"  page cache: at most {fraction:.0%} of the file resident "
+                f"before each cold {name} load"
             )
     disk = results[DISK]
     print(f"torch.save / disk write bandwidth: {results[TORCH_SAVE] / disk:.2f}")
     print(
-        f"safetensors save / disk write bandwidth: {results[SAFETENSORS_SAVE] / disk:.2f}"
+        "safetensors save / disk write bandwidth: "
+        f"{results[SAFETENSORS_SAVE] / disk:.2f}"
     )
 
 

@@ -47,8 +47,11 @@ def step(dtype):
             loss = layer(x).float().square().mean()
         loss.backward()
     return best_of(work)
-print(torch.backends.cpu.get_cpu_capability(), matmul(torch.float32) / matmul(torch.bfloat16),
-      step(torch.float32) / step(torch.bfloat16))
+print(
+    torch.backends.cpu.get_cpu_capability(),
+    matmul(torch.float32) / matmul(torch.bfloat16),
+    step(torch.float32) / step(torch.bfloat16),
+)
 """
 
 

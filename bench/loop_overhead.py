@@ -171,7 +171,8 @@ def main() -> None:
         )
 
     print(
-        f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"device {device}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, "
         f"{args.steps} steps per run, {args.pairs} pairs"
     )
     print(
@@ -181,7 +182,8 @@ def main() -> None:
     print(f"median cpu-time ratio: {statistics.median(cpu_ratios):.3f}")
     book_fixed, hand_fixed = fixed_cost_per_step(device)
     print(
-        f"fixed cost on TinyMLP: book {book_fixed * 1e6:.0f} us/step, hand-written {hand_fixed * 1e6:.0f} us/step "
+        f"fixed cost on TinyMLP: book {book_fixed * 1e6:.0f} us/step, "
+        f"hand-written {hand_fixed * 1e6:.0f} us/step "
         f"(+{(book_fixed - hand_fixed) * 1e6:.0f} us of bookkeeping per step)"
     )
     print(f"loop overhead ratio: {statistics.median(ratios):.3f}")

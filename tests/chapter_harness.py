@@ -68,7 +68,10 @@ def pytest_addoption(parser):
         type=float,
         default=None,
         metavar="SECONDS",
-        help="override every chapter's time limit (the harness's own tests use a tiny one)",
+        help=(
+            "override every chapter's time limit "
+            "(the harness's own tests use a tiny one)"
+        ),
     )
 
 
@@ -302,8 +305,8 @@ class ChapterCell(IPyNbCell):
 
     def _budget_message(self) -> str:
         return (
-            f"{self.parent.path.name} ran past its limit of {self.parent.limit_s:.0f} s "
-            "for the whole chapter"
+            f"{self.parent.path.name} ran past its limit "
+            f"of {self.parent.limit_s:.0f} s for the whole chapter"
         )
 
     def _refuse_unexpected_warnings(self):

@@ -227,7 +227,8 @@ def test_citation_finder_sees_brackets_and_narrative_but_not_code_or_references(
     page = tmp_path / "page.qmd"
     page.write_text(
         "As @kingma2015adam showed [see @loshchilov2019adamw, p. 2; @su2024roformer].\n"
-        "See @fig-loss and @sec-intro; mail me at someone@example.org; `@not_inline`.\n\n"
+        "See @fig-loss and @sec-intro; mail me at someone@example.org; "
+        "`@not_inline`.\n\n"
         "```python\n@torch.no_grad()\ndef f(): ...\n```\n\n"
         "```{python}\n@decorated\ndef g(): ...\n```\n",
         encoding="utf-8",

@@ -789,7 +789,8 @@ def full_disk(kind: str):
         Path(destination).write_bytes(b"PK\x03\x04 the first bytes")
         if kind == "torch":  # what torch.save raises when its writer hits ENOSPC
             raise RuntimeError(
-                "[enforce fail at inline_container.cc:672] . unexpected pos 4416 vs 4310"
+                "[enforce fail at inline_container.cc:672] . "
+                "unexpected pos 4416 vs 4310"
             )
         raise OSError(errno.ENOSPC, "No space left on device")
 

@@ -216,7 +216,8 @@ def test_a_notebook_class_sent_to_dataloader_workers_fails_only_under_spawn(tmp_
                 return torch.tensor(i * i)
 
 
-        assert [int(x) for x in DataLoader(Squares(), batch_size=None, num_workers=1)] == [0, 1, 4, 9]
+        loader = DataLoader(Squares(), batch_size=None, num_workers=1)
+        assert [int(x) for x in loader] == [0, 1, 4, 9]
         ```
         """,
     )

@@ -50,7 +50,8 @@ def test_a_module_builds_on_another_only_where_its_docstring_says_so(module):
         )
         unnamed = [name for name in others if f"torchbook.{name}" not in docstring]
         assert not unnamed, (
-            f"{module}'s docstring does not name torchbook.{unnamed[0]}, which it imports"
+            f"{module}'s docstring does not name torchbook.{unnamed[0]}, "
+            "which it imports"
         )
 
 
@@ -96,13 +97,18 @@ PROBE = """
 import importlib, json, sys
 errors = {}
 for module, folder in json.loads(sys.argv[1]).items():
-    for name in [name for name in sys.modules if name == "torchbook" or name.startswith("torchbook.")]:
-        del sys.modules[name]
+    for name in list(sys.modules):
+        if name == "torchbook" or name.startswith("torchbook."):
+            del sys.modules[name]
     sys.path.insert(0, folder)
     try:
         importlib.import_module("torchbook." + module)
-        outside = [name for name, loaded in sys.modules.items() if name.startswith("torchbook")
-                   and not (getattr(loaded, "__file__", "") or "").startswith(folder)]
+        outside = [
+            name
+            for name, loaded in sys.modules.items()
+            if name.startswith("torchbook")
+            and not (getattr(loaded, "__file__", "") or "").startswith(folder)
+        ]
         if outside:
             errors[module] = "loaded from outside the copies: " + ", ".join(outside)
     except Exception as error:
@@ -148,5 +154,6 @@ def test_a_module_copied_with_what_it_declares_imports_without_the_package(
     module, copy_errors
 ):
     assert module not in copy_errors, (
-        f"{module} copied with {sorted(declared_closure(module))} does not import: {copy_errors[module]}"
+        f"{module} copied with {sorted(declared_closure(module))} "
+        f"does not import: {copy_errors[module]}"
     )

@@ -15,9 +15,9 @@ from torchbook.tokenizer import (
 )
 
 TEXT = (
-    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
-    * 40
-)
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
+    "All:\nSpeak, speak.\n"
+) * 40
 
 
 @pytest.fixture(scope="module")

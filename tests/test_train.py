@@ -771,26 +771,35 @@ from torch import nn
 from torchbook.train import Trainer, TrainConfig
 
 def worker(rank, port, out):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(11, 16), nn.Linear(16, 11))
     ddp = nn.parallel.DistributedDataParallel(model)
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.5)
-    config = TrainConfig(max_steps=1, warmup_steps=0, max_grad_norm=None, accum_steps=2, log_every=1)
-    trainer = Trainer(ddp, config, "cpu", optimizer=sgd,
-                      scheduler=torch.optim.lr_scheduler.ConstantLR(sgd, factor=1.0))
+    config = TrainConfig(
+        max_steps=1, warmup_steps=0, max_grad_norm=None, accum_steps=2, log_every=1
+    )
+    constant = torch.optim.lr_scheduler.ConstantLR(sgd, factor=1.0)
+    trainer = Trainer(ddp, config, "cpu", optimizer=sgd, scheduler=constant)
     x, y = torch.load(out + "/data.pt")
     mine = slice(4 * rank, 4 * rank + 4)
     micro = [(x[mine][:2], y[mine][:2]), (x[mine][2:], y[mine][2:])]
     result = trainer.train_step(micro)
     if rank == 0:
-        torch.save({"weights": model.state_dict(), "loss": result.loss, "tokens": result.target_tokens},
-                   out + "/rank0.pt")
+        saved = {
+            "weights": model.state_dict(),
+            "loss": result.loss,
+            "tokens": result.target_tokens,
+        }
+        torch.save(saved, out + "/rank0.pt")
     dist.barrier()
     dist.destroy_process_group()
-    # gloo's threads outlive destroy_process_group (torch 2.14) and now and then abort a normal exit
-    # (SIGABRT); examples/train_ddp.py has the details. Leave without that teardown.
+    # gloo's threads outlive destroy_process_group (torch 2.14) and now and then
+    # abort a normal exit (SIGABRT); examples/train_ddp.py has the details. Leave
+    # without that teardown.
     os._exit(0)
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ def parse_cells(path: Path) -> list[tuple[str, str, int]]:
         for pattern, what in FORBIDDEN.items():
             if pattern in text:
                 raise QmdError(
-                    f"{path}:{number}: {what} ({pattern!r}) has no place in the exercise notebook"
+                    f"{path}:{number}: {what} ({pattern!r}) "
+                    "has no place in the exercise notebook"
                 )
     cells: list[tuple[str, str, int]] = []
     block: list[str] = []
@@ -86,14 +87,15 @@ def check_drills(cells: list[tuple[str, str, int]], path: Path) -> None:
     """Each drill in order: a ``# TODO: drill N`` cell, then ``check(N, globals())``."""
     code = [(source.strip(), line) for kind, source, line in cells if kind == "code"]
     found = []
-    for (source, line), (following, _) in zip(code, code[1:] + [("", 0)], strict=False):
+    followed_by = code[1:] + [("", 0)]
+    for (source, line), (following, _) in zip(code, followed_by, strict=False):
         todo = TODO_CELL.match(source)
         if todo:
             checked = CHECK_CALL.match(following)
             if not checked or checked.group(1) != todo.group(1):
                 raise QmdError(
-                    f"{path}:{line}: the TODO of drill {todo.group(1)} is not followed by "
-                    f"check({todo.group(1)}, globals())"
+                    f"{path}:{line}: the TODO of drill {todo.group(1)} "
+                    f"is not followed by check({todo.group(1)}, globals())"
                 )
             found.append(int(todo.group(1)))
     if found != list(DRILLS):

@@ -60,25 +60,35 @@ moves the derived files. Set both before the first `torchbook` import, as the
 commented lines in the next cell show."""
 
 SETUP_CODE = """\
-# Setup for a fresh kernel: find (or install) the book's package, and say where the data goes.
+# Setup for a fresh kernel: find (or install) the book's package, and say where the
+# data goes.
 import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-BOOK_CLONE = Path("~/pytorch-essentials").expanduser()  # your clone of the book's repository
-# os.environ["BOOK_DATA_DIR"] = "/path/to/data"    # data already on disk: nothing is downloaded
-# os.environ["BOOK_CACHE_DIR"] = "/path/to/cache"  # where derived files go
+# Your clone of the book's repository:
+BOOK_CLONE = Path("~/pytorch-essentials").expanduser()
+# Data already on disk (then nothing is downloaded), and where derived files go:
+# os.environ["BOOK_DATA_DIR"] = "/path/to/data"
+# os.environ["BOOK_CACHE_DIR"] = "/path/to/cache"
 
 if importlib.util.find_spec("torchbook") is None:
     if not (BOOK_CLONE / "pyproject.toml").is_file():
         raise ModuleNotFoundError(
-            f"torchbook is not installed, and {BOOK_CLONE} is not a clone of the book's "
-            "repository: clone it, set BOOK_CLONE to its folder, and run this cell again."
+            f"torchbook is not installed, and {BOOK_CLONE} is not a clone of the "
+            "book's repository: clone it, set BOOK_CLONE to its folder, and run this "
+            "cell again."
         )
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "-e", str(BOOK_CLONE)], check=True)
-    raise SystemExit("torchbook is installed now: restart the kernel and run the notebook from the top.")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "-e", str(BOOK_CLONE)],
+        check=True,
+    )
+    raise SystemExit(
+        "torchbook is installed now: restart the kernel "
+        "and run the notebook from the top."
+    )
 
 import torchbook
 from torchbook.download import cache_dir, data_dir
@@ -88,8 +98,9 @@ print(f"data sets: {data_dir()}")
 print(f"derived files: {cache_dir()}")"""
 
 NOT_RUN_NOTE = (
-    "*Shown, not run.* The book does not execute this cell (it is marked `#| eval: false`, "
-    "for example because it needs the Hugging Face Hub and downloads a large data set). "
+    "*Shown, not run.* The book does not execute this cell "
+    "(it is marked `#| eval: false`, for example because it needs "
+    "the Hugging Face Hub and downloads a large data set). "
     "Copy it into a code cell to run it yourself."
 )
 
@@ -141,7 +152,8 @@ def _parse_options(body: list[str], first_line: int, path: Path) -> dict:
         ) from error
     if not isinstance(options, dict):
         raise QmdError(
-            f"{path}:{first_line}: cell options must be 'key: value' lines, got {option_lines[0]!r}"
+            f"{path}:{first_line}: cell options must be 'key: value' lines, "
+            f"got {option_lines[0]!r}"
         )
     return options
 
@@ -317,7 +329,8 @@ def to_notebook(path: Path, for_tests: bool = False) -> nbformat.NotebookNode:
             if inline is not None:
                 if not seen_code:
                     raise QmdError(
-                        f"{path}:{cell.line}: inline `{{python}}` value before any code cell"
+                        f"{path}:{cell.line}: "
+                        "inline `{python}` value before any code cell"
                     )
                 notebook_cells.append(
                     new_code_cell(inline, metadata={"qmd_line": cell.line})

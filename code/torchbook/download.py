@@ -132,7 +132,8 @@ def verify(path: Path, expected_sha256: str) -> None:
     """Raise DataError, naming the file, unless its SHA-256 is ``expected_sha256``."""
     if not Path(path).is_file():
         raise DataError(
-            f"{path}: missing (or not a file); expected the file whose SHA-256 is {expected_sha256}"
+            f"{path}: missing (or not a file); "
+            f"expected the file whose SHA-256 is {expected_sha256}"
         )
     actual = sha256_of(path)
     if actual != expected_sha256:

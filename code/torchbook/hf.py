@@ -41,7 +41,8 @@ def jinja_chat_template(template: ChatTemplate = ChatTemplate()) -> str:
             "{%- elif message['role'] == 'assistant' -%}",
             f"{{{{ {assistant} + message['content'] + {end} }}}}",
             "{%- else -%}",
-            "{{ raise_exception('message ' ~ loop.index0 ~ ': role ' ~ message['role']) }}",
+            "{{ raise_exception('message ' ~ loop.index0 ~ ': role ' ~ "
+            "message['role']) }}",
             "{%- endif -%}",
             "{%- endfor -%}",
             "{%- if add_generation_prompt -%}",
@@ -66,7 +67,8 @@ def hf_tokenizer(
     ]
     if missing:
         raise ValueError(
-            f"tokenizer lacks the special token(s) {missing}; train it with torchbook.tokenizer.train_bpe"
+            f"tokenizer lacks the special token(s) {missing}; "
+            "train it with torchbook.tokenizer.train_bpe"
         )
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,

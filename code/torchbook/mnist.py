@@ -67,7 +67,8 @@ def read_idx(path: Path, expected_shape: tuple[int, ...]) -> torch.Tensor:
     magic = data[:4]
     if magic != bytes([0, 0, IDX_UBYTE, ndim]):
         raise MnistFormatError(
-            f"{path}: magic number {magic.hex()}, expected {bytes([0, 0, IDX_UBYTE, ndim]).hex()} "
+            f"{path}: magic number {magic.hex()}, "
+            f"expected {bytes([0, 0, IDX_UBYTE, ndim]).hex()} "
             f"(unsigned bytes, {ndim} dimensions)"
         )
     shape = tuple(
@@ -80,7 +81,8 @@ def read_idx(path: Path, expected_shape: tuple[int, ...]) -> torch.Tensor:
     expected_bytes = header_bytes + int(np.prod(shape))
     if len(data) != expected_bytes:
         raise MnistFormatError(
-            f"{path}: {len(data):,} bytes, expected {expected_bytes:,} for shape {shape}; "
+            f"{path}: {len(data):,} bytes, "
+            f"expected {expected_bytes:,} for shape {shape}; "
             "was the file truncated?"
         )
     array = np.frombuffer(data, dtype=np.uint8, offset=header_bytes).reshape(shape)

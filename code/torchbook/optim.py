@@ -56,12 +56,14 @@ class OptimizerConfig:
             or not 0 <= self.warmup_steps <= self.max_steps
         ):
             raise ValueError(
-                f"{name}.warmup_steps must be an int in [0, max_steps={self.max_steps}], "
+                f"{name}.warmup_steps must be an int "
+                f"in [0, max_steps={self.max_steps}], "
                 f"got {self.warmup_steps!r}"
             )
         if not 0 <= self.min_lr <= self.lr or self.lr <= 0:
             raise ValueError(
-                f"{name} needs 0 <= min_lr <= lr and lr > 0, got min_lr={self.min_lr}, lr={self.lr}"
+                f"{name} needs 0 <= min_lr <= lr and lr > 0, "
+                f"got min_lr={self.min_lr}, lr={self.lr}"
             )
 
 
@@ -193,7 +195,8 @@ def optimizer_layout_problems(
         return ["optimizer: expected a dict with 'state' and a list of 'param_groups'"]
     if len(groups) != len(optimizer.param_groups):
         return [
-            f"optimizer: {len(groups)} parameter groups in the state, {len(optimizer.param_groups)} here"
+            f"optimizer: {len(groups)} parameter groups in the state, "
+            f"{len(optimizer.param_groups)} here"
         ]
     problems, shapes = [], {}
     for number, (group, live) in enumerate(
@@ -201,11 +204,13 @@ def optimizer_layout_problems(
     ):
         if len(group["params"]) != len(live["params"]):
             problems.append(
-                f"optimizer group {number}: {len(group['params'])} parameters in the state, "
+                f"optimizer group {number}: "
+                f"{len(group['params'])} parameters in the state, "
                 f"{len(live['params'])} here"
             )
         problems += [
-            f"optimizer group {number}: {switch}={group.get(switch)} in the state, {live[switch]} here"
+            f"optimizer group {number}: {switch}={group.get(switch)} in the state, "
+            f"{live[switch]} here"
             for switch in STATE_SWITCHES
             if switch in live and group.get(switch) != live[switch]
         ]
@@ -218,7 +223,8 @@ def optimizer_layout_problems(
         )
     for index, entry in saved["state"].items():
         problems += [
-            f"optimizer state of parameter {index}: {name!r} has shape {tuple(value.shape)}, "
+            f"optimizer state of parameter {index}: "
+            f"{name!r} has shape {tuple(value.shape)}, "
             f"the parameter {tuple(shapes[index])}"
             for name, value in entry.items()
             if index in shapes

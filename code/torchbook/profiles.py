@@ -152,7 +152,8 @@ class PitfallSizes:
         20.0  # above every ordinary step's norm, far below the outlier's
     )
     curve_steps: int = 60  # optimizer steps of each pitfall's training curve
-    sgd_lr: float = 0.02  # the zero_grad curve: SGD converges at this rate only with gradients cleared
+    # The zero_grad curve: SGD converges at this rate only with gradients cleared.
+    sgd_lr: float = 0.02
     adam_lr: float = 0.05  # AdamW in the train/eval-mode and stale-state curves
     # The starved loader: each image waits this long, as if decoded from a JPEG.
     slow_item_s: float = 0.002

@@ -102,6 +102,6 @@ def check_state_dict(
     problems = state_dict_problems(model, state_dict)
     if problems:
         raise CheckpointError(
-            f"{source}: does not fit {type(unwrap_model(model)).__name__} (architecture "
-            "mismatch); nothing was loaded:\n  " + "\n  ".join(problems)
+            f"{source}: does not fit {type(unwrap_model(model)).__name__} "
+            "(architecture mismatch); nothing was loaded:\n  " + "\n  ".join(problems)
         )

@@ -38,7 +38,8 @@ def train_bpe(
     minimum = 256 + len(special_tokens)  # every byte plus the special tokens
     if type(vocab_size) is not int or vocab_size < minimum:
         raise TokenizerError(
-            f"vocab_size={vocab_size!r}: a byte-level BPE needs an int of at least {minimum} ids"
+            f"vocab_size={vocab_size!r}: "
+            f"a byte-level BPE needs an int of at least {minimum} ids"
         )
     if not text_files:
         raise TokenizerError("train_bpe: no training text files given")
@@ -79,7 +80,8 @@ def load_tokenizer(path: Path | str) -> Tokenizer:
     path = Path(path)
     if not path.is_file():
         raise TokenizerError(
-            f"{path}: tokenizer file is missing; train one with train_bpe and save_tokenizer"
+            f"{path}: tokenizer file is missing; "
+            "train one with train_bpe and save_tokenizer"
         )
     try:
         return Tokenizer.from_file(str(path))
