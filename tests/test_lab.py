@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from torchbook import lab
+from torchbook.mnist import resident_batches
 from torchbook.profiles import make_profile
 from torchbook.results import make_provenance, read_result, write_result
 
@@ -146,6 +147,68 @@ def test_results_series_splits_a_history_into_steps_and_epochs():
         "test_loss": [0.3],
         "seconds": [1.5],
     }
+
+
+def test_epochs_shuffled_counts_the_shuffles_a_generator_drew():
+    order = torch.Generator().manual_seed(5)
+    images, labels = torch.zeros(10, 1, 2, 2), torch.arange(10)
+    for _ in range(2):  # two epochs, in batches of any size
+        list(resident_batches(images, labels, 3, order))
+    assert lab.epochs_shuffled(order, examples=10, most=5) == 2
+    assert lab.epochs_shuffled(order, examples=10, most=1) is None  # past the replay
+    torch.rand(1, generator=order)  # a draw that is no shuffle
+    assert lab.epochs_shuffled(order, examples=10, most=5) is None
+
+
+# One line of each kind of call in the wrapper code Inductor writes: a library call
+# and a C++ kernel (as chapter 9's CPU run generates them), and a Triton kernel as
+# torch/_inductor/codegen/wrapper.py launches it on a GPU, which no test here has.
+GENERATED_CODE = """
+def call(args):
+    buf0 = empty_strided_cpu((128, 256), (256, 1), torch.float32)
+    extern_kernels.addmm(primals_2, primals_3, primals_1, alpha=1, beta=1, out=buf0)
+    cpp_fused_relu_0(buf0)
+    with torch.cuda._DeviceGuard(0):
+        extern_kernels.mm(buf1, reinterpret_tensor(primals_4, (256, 128)), out=buf2)
+        triton_poi_fused_relu_threshold_backward_1.run(buf2, buf3, 32768, stream=stream0)
+    return (buf0, )
+"""
+
+
+def test_generated_calls_finds_library_cpp_and_triton_calls_in_order():
+    assert lab.generated_calls(GENERATED_CODE) == [
+        "extern_kernels.addmm",
+        "cpp_fused_relu_0",
+        "extern_kernels.mm",
+        "triton_poi_fused_relu_threshold_backward_1",
+    ]
+
+
+def test_compared_steps_accumulated_equals_whole_batches_in_float64():
+    """Drill 4's run: 4 micro-batches and whole batches, the same sums in float64."""
+    images, labels = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    runs = [
+        lab.compared_steps(
+            lab.fresh_model((16,), 0, torch.device("cpu")).double(),
+            images.double(),
+            labels,
+            torch.Generator().manual_seed(1),
+            batch_size=32,
+            micro_batch_size=micro,
+            steps=2,
+        )
+        for micro in (32, 8)
+    ]
+    (big_grads, big_state), (grads, state) = runs
+    # 1e-12: float64 sums in another order differ by about 1e-16 of their size
+    for name in big_grads:
+        torch.testing.assert_close(grads[name], big_grads[name], rtol=0, atol=1e-12)
+    for name in big_state:
+        torch.testing.assert_close(state[name], big_state[name], rtol=0, atol=1e-12)
+    initial = lab.fresh_model((16,), 0, torch.device("cpu")).state_dict()
+    assert not torch.equal(
+        state["layers.1.weight"], initial["layers.1.weight"].double()
+    )
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,19 @@
 """Checkers for ``pytorch_drills.ipynb``, the lab's drills: one ``check_drill_N`` each.
 
 Each checker recomputes what it can from the objects you leave (your model,
-your optimizer, your files) rather than trusting numbers you report, and
-raises ``DrillCheckError`` listing everything that is wrong, with the likely
-cause. ``check(N, globals())`` is what the notebook's check cells call: it
-looks up the names drill N's checker takes, says which are still missing,
-and prints the verdict instead of raising, so "Run All" reaches the end.
+your optimizer, your generator, your files) rather than trusting numbers you
+report, and raises ``DrillCheckError`` listing everything that is wrong, with
+the likely cause. ``check(N, globals())`` is what the notebook's check cells
+call: it looks up the names drill N's checker takes, says which are still
+missing, and prints the verdict instead of raising, so "Run All" reaches the end.
+
+It builds on ``torchbook.lab``: its evaluation, its count of the epochs a
+generator shuffled, and drill 4's compared steps, repeated the big-batch way.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import math
@@ -22,30 +26,32 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import get_total_norm
+
+from torchbook.lab import COMPARED_LR, compared_steps, epochs_shuffled, eval_logits
 
 TARGET_ACCURACY = 0.97
 MAX_EPOCHS = 3
-TRAIN_EXAMPLES = 60_000  # MNIST's training split
+TRAIN_EXAMPLES = 60_000  # MNIST's training split: one shuffle of it per epoch
+MAX_EPOCHS_REPLAYED = 10  # drill 1 replays at most this many shuffles
+# Drill 1's zero_grad hint: without zero_grad, .grad holds the sum of every step's
+# gradient. Against one fresh batch's gradient it was 28 to 70 times as large after
+# 100 such steps, at most 3 times after 1,407 correct ones (seeds 0-2).
+ZERO_GRAD_HINT_RATIO = 10
 # drill 2: fused kernels sum float32 products in another order
 COMPILED_LOGIT_ATOL = 1e-4
-# Drill 4, first the gradients of the first batch, before any step: accumulated or
-# not, they are the same sums taken in another order, so they agree to float32
-# rounding (about 1e-7 of their norm); a loss not divided by accum_steps makes them
-# accum_steps times larger. The weights after the same AdamW steps show that scale only
-# through eps (1e-8): AdamW divides each gradient by its running size.
-# Then the weights: float32 sums of 4 x 32 and of 128 examples round differently, and
-# AdamW's division by that running size plus eps can turn the rounding of a gradient
-# about eps in size into a step of up to the learning rate. On the machine the rule
-# was first measured on, at most 4 of 235,146 weights differed by more than 1e-6 after
-# 20 correct steps (seeds 0-3; 2.2e-5 at most); on an AVX2 one, 0 and 1 in two runs.
-# A missing zero_grad or another data order moves most of them. So: a fraction, not a
-# maximum, and only for a few dozen steps: later the differences grow like any
-# perturbation of training (after 50 steps 9% of the weights were beyond 1e-6 for one
-# seed), so the comparison is made after at most 20 steps.
+# Drill 4, against the checker's own big-batch steps. The first gradients are the
+# same sums in another order: equal to float32 rounding (about 1e-7 of their norm).
+# After the steps, AdamW's division by each gradient's running size plus eps turns
+# the rounding of a gradient about eps in size into a step of up to the learning
+# rate: after 20 correct steps at most 5 of 235,146 weights were more than 1e-6 off
+# (seeds 0-9 and 1337, two CPUs); a missing zero_grad moves almost all. Later the
+# differences grow like any perturbation (9% of the weights after 50 steps).
+ACCUMULATION_BATCH_SIZE = 128
+COMPARED_STEPS = 20
 GRADIENT_RTOL = 1e-5
 ACCUMULATION_WEIGHT_ATOL = 1e-6
 MAX_FRACTION_BEYOND_ATOL = 1e-3
-MAX_COMPARED_STEPS = 20
 MAX_ACCURACY_GAP = 0.005  # drill 4: "unchanged" accuracy, half a percentage point
 MAX_AUTOCAST_LOSS_GAP = 0.005  # drill 5: the lab's 0.5%
 # Drill 5: your losses against the checker's recomputation. 2e-5 relative covers a
@@ -63,37 +69,53 @@ def _fail_if(problems: list[str], drill: int) -> None:
         raise DrillCheckError(f"drill {drill}: " + "; ".join(problems))
 
 
-@torch.no_grad()
-def _logits(
-    model: nn.Module, images: Tensor, autocast_dtype: torch.dtype | None = None
-) -> Tensor:
-    was_training = model.training
-    model.eval()
-    with torch.autocast(
-        images.device.type,
-        dtype=autocast_dtype or torch.float32,
-        enabled=autocast_dtype is not None,
-    ):
-        logits = model(images).float()
-    model.train(was_training)
-    return logits
-
-
 def _accuracy(model: nn.Module, images: Tensor, labels: Tensor) -> float:
-    return (_logits(model, images).argmax(dim=1) == labels).float().mean().item()
+    return (eval_logits(model, images).argmax(dim=1) == labels).float().mean().item()
+
+
+def _same_tensors(first: Mapping[str, Tensor], second: Mapping[str, Tensor]) -> bool:
+    """Whether two state dicts hold equal tensors under the same names."""
+    return first.keys() == second.keys() and all(
+        torch.equal(first[name].cpu(), second[name].cpu()) for name in first
+    )
+
+
+def _gradient_left_ratio(model: nn.Module, images: Tensor, labels: Tensor) -> float:
+    """The norm of the gradients left in ``.grad``, over one fresh batch's."""
+    left = [p.grad for p in model.parameters() if p.grad is not None]
+    batch = slice(0, ACCUMULATION_BATCH_SIZE)  # one batch of the drills' size
+    loss = F.cross_entropy(model(images[batch]), labels[batch])
+    fresh = torch.autograd.grad(loss, list(model.parameters()))  # .grad untouched
+    return (get_total_norm(left) / get_total_norm(fresh)).item() if left else 0.0
 
 
 def check_drill_1(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     initial_state: Mapping[str, Tensor],
-    batch_size: int,
+    train_order: torch.Generator,
     test_images: Tensor,
     test_labels: Tensor,
 ) -> str:
-    """At most 3 epochs of steps, every parameter moved, test accuracy >= 97%."""
+    """At most 3 epochs, every parameter moved, test accuracy >= 97%.
+
+    The epochs are counted from the shuffles ``train_order`` drew, the steps
+    from the optimizer's own state: nothing is taken from a reported size.
+    """
     problems = []
-    steps_per_epoch = math.ceil(TRAIN_EXAMPLES / batch_size)
+    epochs = epochs_shuffled(train_order, TRAIN_EXAMPLES, MAX_EPOCHS_REPLAYED)
+    if epochs is None:
+        problems.append(
+            f"train_order drew more than {MAX_EPOCHS_REPLAYED} shuffles of the "
+            f"{TRAIN_EXAMPLES:,} training images, or other random numbers, since it "
+            "was seeded: draw each epoch's batches with resident_batches(train_images, "
+            "train_labels, batch_size, train_order), from one generator seeded once"
+        )
+    elif epochs > MAX_EPOCHS:
+        problems.append(
+            f"train_order shuffled the training set {epochs} times: {epochs} epochs, "
+            f"and the drill allows {MAX_EPOCHS}"
+        )
     counts = [
         int(state["step"]) for state in optimizer.state.values() if "step" in state
     ]
@@ -102,56 +124,42 @@ def check_drill_1(
             f"{type(optimizer).__name__} has taken no step, or keeps no step count "
             "(the drill uses torch.optim.AdamW)"
         )
-    elif max(counts) > MAX_EPOCHS * steps_per_epoch:
-        problems.append(
-            f"the optimizer took {max(counts):,} steps, {max(counts) / steps_per_epoch:.1f} epochs "
-            f"at batch size {batch_size}; the drill allows {MAX_EPOCHS}"
-        )
-    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if not all(id(p) in optimized for p in model.parameters()):
-        problems.append(
-            "the optimizer does not hold this model's parameters (was the model rebuilt after it?)"
-        )
-    live = {
-        tensor.untyped_storage().data_ptr() for tensor in model.state_dict().values()
-    }
-    aliased = [
+    current = model.state_dict()
+    live = {tensor.untyped_storage().data_ptr() for tensor in current.values()}
+    frozen = [
         name
         for name, tensor in initial_state.items()
-        if tensor.untyped_storage().data_ptr() in live
+        if name in current and torch.equal(current[name].cpu(), tensor.cpu())
     ]
-    if aliased:
+    if any(t.untyped_storage().data_ptr() in live for t in initial_state.values()):
         problems.append(
-            f"initial_state holds the model's own tensors ({aliased[0]}, ...): state_dict() returns "
-            "references that training updates in place, so it always equals the model; keep copies: "
+            "initial_state holds the model's own tensors: state_dict() returns "
+            "references that training updates in place, so it always equals the "
+            "model; keep copies: "
             "{name: tensor.clone() for name, tensor in model.state_dict().items()}"
         )
-    else:
-        current = model.state_dict()
-        frozen = [
-            name
-            for name, tensor in initial_state.items()
-            if name in current and torch.equal(current[name].cpu(), tensor.cpu())
-        ]
-        if frozen:
-            problems.append(
-                f"parameters not moving from their initial values: {frozen} "
-                "(is optimizer.step() called, on this model's parameters?)"
-            )
+    elif frozen:
+        problems.append(
+            f"parameters not moving from their initial values: {frozen} (is "
+            "optimizer.step() called, on this model's parameters, built before it?)"
+        )
     accuracy = _accuracy(model, test_images, test_labels)
     if accuracy < TARGET_ACCURACY:
         problems.append(
             f"test accuracy {accuracy:.2%} is below the {TARGET_ACCURACY:.0%} target"
         )
-        grads = [p.grad.norm() for p in model.parameters() if p.grad is not None]
-        if grads:
+        ratio = _gradient_left_ratio(model, test_images, test_labels)
+        if ratio > ZERO_GRAD_HINT_RATIO:
             problems.append(
-                f"the parameters still hold gradients (total norm {torch.stack(grads).norm():.3g}): "
-                "is optimizer.zero_grad() called every step? Without it each step adds to all earlier "
-                "gradients"
+                f"the gradients left in .grad are {ratio:.0f} times those of one "
+                "fresh batch: is optimizer.zero_grad() called every step? Without it "
+                "each step adds to all earlier gradients"
             )
     _fail_if(problems, 1)
-    return f"drill 1 passed: {accuracy:.2%} test accuracy after {max(counts):,} steps of {batch_size}"
+    return (
+        f"drill 1 passed: {accuracy:.2%} test accuracy after {max(counts):,} steps "
+        f"in {epochs} epochs"
+    )
 
 
 def check_drill_2(
@@ -162,20 +170,28 @@ def check_drill_2(
     eager_step_s: float,
     compiled_step_s: float,
 ) -> str:
-    """A ``torch.compile``d model matching its eager module; three positive timings."""
+    """A compiled model matching its eager self; three positive timings."""
     problems = []
-    eager = getattr(compiled_model, "_orig_mod", None)
-    if eager is None:
+    # torch.compile(model) wraps the module as _orig_mod; model.compile() compiles it
+    # in place, as _compiled_call_impl. Either runs eager under "force_eager".
+    compiled = hasattr(compiled_model, "_orig_mod") or (
+        getattr(compiled_model, "_compiled_call_impl", None) is not None
+    )
+    if not compiled:
         problems.append(
-            f"{type(compiled_model).__name__} is not the result of torch.compile(model)"
+            f"{type(compiled_model).__name__} is not compiled: use "
+            "torch.compile(model) or model.compile()"
         )
     else:
         # A training-shaped call (train mode, gradients on, one batch): no recompile.
         sample = test_images[:batch_size]
-        difference = (compiled_model(sample) - eager(sample)).abs().max().item()
+        with torch.compiler.set_stance("force_eager"):
+            eager_logits = compiled_model(sample)
+        difference = (compiled_model(sample) - eager_logits).abs().max().item()
         if difference > COMPILED_LOGIT_ATOL:
             problems.append(
-                f"compiled and eager logits differ by {difference:.2e} (> {COMPILED_LOGIT_ATOL})"
+                f"compiled and eager logits differ by {difference:.2e} "
+                f"(> {COMPILED_LOGIT_ATOL})"
             )
     for name, value in [
         ("compile_s", compile_s),
@@ -188,8 +204,8 @@ def check_drill_2(
             )
     _fail_if(problems, 2)
     return (
-        f"drill 2 passed: compiling took {compile_s:.1f} s; a step {eager_step_s * 1e3:.2f} ms eager, "
-        f"{compiled_step_s * 1e3:.2f} ms compiled"
+        f"drill 2 passed: compiling took {compile_s:.1f} s; a step "
+        f"{eager_step_s * 1e3:.2f} ms eager, {compiled_step_s * 1e3:.2f} ms compiled"
     )
 
 
@@ -214,102 +230,93 @@ def check_drill_3(
             "train the same number of steps so the curves share a step axis"
         )
     window = max(1, len(sgd_losses) // 10)
-    if not sum(sgd_losses[-window:]) < sum(sgd_losses[:window]):
+    first, last = (
+        sum(part) / window for part in (sgd_losses[:window], sgd_losses[-window:])
+    )
+    if not last < first:
         problems.append(
             "SGD's loss did not fall from the first tenth of training to the last"
         )
     _fail_if(problems, 3)
-    return f"drill 3 passed: SGD loss {sum(sgd_losses[:window]) / window:.3f} -> {sum(sgd_losses[-window:]) / window:.3f}"
-
-
-def _shared_storage(first: Mapping[str, Tensor], second: Mapping[str, Tensor]) -> list:
-    """Names in ``first`` whose tensor shares memory with a tensor of ``second``."""
-    storages = {tensor.untyped_storage().data_ptr() for tensor in second.values()}
-    return [
-        name
-        for name, tensor in first.items()
-        if tensor.untyped_storage().data_ptr() in storages
-    ]
-
-
-def _compare_gradients(
-    big_batch: Mapping[str, Tensor], accumulated: Mapping[str, Tensor]
-) -> list[str]:
-    """The first batch's gradients both ways: equal up to float32 rounding of sums."""
-    if big_batch.keys() != accumulated.keys():
-        return ["the two gradient dicts have different keys"]
-    if shared := _shared_storage(big_batch, accumulated):
-        return [
-            f"big_batch_grads and accumulated_grads hold the same tensors ({shared[0]}, "
-            "...): keep copies, {name: p.grad.clone() for name, p in "
-            "model.named_parameters()}"
-        ]
-    big = torch.cat([big_batch[name].flatten() for name in big_batch])
-    summed = torch.cat([accumulated[name].flatten() for name in big_batch])
-    gap = ((summed - big).norm() / big.norm()).item()
-    if gap <= GRADIENT_RTOL:
-        return []
-    ratio = (summed.norm() / big.norm()).item()
-    return [
-        f"the first batch's accumulated gradients differ from the big batch's by {gap:.2g} "
-        f"of their norm (float32 rounding leaves under {GRADIENT_RTOL:.0e}) and are "
-        f"{ratio:.3g} times as large: divide each micro-batch's loss by accum_steps "
-        "(or sum it and divide by the whole batch's size)"
-    ]
+    return f"drill 3 passed: SGD loss {first:.3f} -> {last:.3f}"
 
 
 def check_drill_4(
-    big_batch_grads: Mapping[str, Tensor],
     accumulated_grads: Mapping[str, Tensor],
-    big_batch_state: Mapping[str, Tensor],
     accumulated_state: Mapping[str, Tensor],
-    compared_steps: int,
-    big_batch_accuracy: float,
-    accumulated_accuracy: float,
+    accumulated_model: nn.Module,
+    model: nn.Module,
+    initial_state: Mapping[str, Tensor],
+    train_order: torch.Generator,
+    train_images: Tensor,
+    train_labels: Tensor,
+    test_images: Tensor,
+    test_labels: Tensor,
 ) -> str:
-    """Equal first gradients, then weights after equal steps; accuracies within 0.5."""
-    problems = _compare_gradients(big_batch_grads, accumulated_grads)
-    if compared_steps > MAX_COMPARED_STEPS:
+    """Accumulation against the checker's own big-batch steps; both accuracies."""
+    reference = copy.deepcopy(model)  # the big-batch run, from drill 1's weights
+    reference.load_state_dict(initial_state)
+    reference.zero_grad(set_to_none=True)
+    grads, state = compared_steps(
+        reference.train(),
+        train_images,
+        train_labels,
+        torch.Generator(train_order.device).manual_seed(train_order.initial_seed()),
+        ACCUMULATION_BATCH_SIZE,
+        ACCUMULATION_BATCH_SIZE,
+        COMPARED_STEPS,
+    )
+    problems = []
+    expected = get_total_norm(list(grads.values())).item()
+    given = get_total_norm(list(accumulated_grads.values())).item()
+    gap = get_total_norm([accumulated_grads[k] - grads[k] for k in grads]).item()
+    if gap > GRADIENT_RTOL * expected:
         problems.append(
-            f"compared after {compared_steps} steps; compare after at most "
-            f"{MAX_COMPARED_STEPS}: later, float32 rounding differences grow as any "
-            "small change to a training run does, and correct accumulation no longer "
-            "matches weight by weight"
+            f"accumulated_grads differ from the checker's big-batch gradients of "
+            f"drill 1's first batch by {gap / expected:.2g} of their norm (float32 "
+            f"rounding leaves under {GRADIENT_RTOL:.0e}) and are "
+            f"{given / expected:.3g} times as large: divide each micro-batch's loss "
+            "by accum_steps (or sum it and divide by the whole batch's size)"
         )
-    beyond = float("nan")
-    if big_batch_state.keys() != accumulated_state.keys():
-        problems.append("the two state dicts have different keys")
-    elif shared := _shared_storage(big_batch_state, accumulated_state):
+    if _same_tensors(accumulated_state, initial_state):
         problems.append(
-            f"big_batch_state and accumulated_state hold the same tensors ({shared[0]}, "
-            "...): state_dict() returns references that training updates in place; "
-            "keep copies: {name: tensor.clone() for name, tensor in "
-            "model.state_dict().items()}"
+            f"accumulated_state still holds initial_state's weights: were the "
+            f"{COMPARED_STEPS} steps taken, and the weights copied after them?"
         )
     else:
         difference = torch.cat(
-            [
-                (big_batch_state[name] - accumulated_state[name]).abs().flatten()
-                for name in big_batch_state
-            ]
+            [(accumulated_state[key] - state[key]).abs().flatten() for key in state]
         )
         beyond = (difference > ACCUMULATION_WEIGHT_ATOL).float().mean().item()
         if beyond > MAX_FRACTION_BEYOND_ATOL:
             problems.append(
                 f"{beyond:.1%} of the weights differ by more than "
-                f"{ACCUMULATION_WEIGHT_ATOL:.0e} (float32 rounding leaves under "
-                f"{MAX_FRACTION_BEYOND_ATOL:.1%}): same initial weights and data order, "
-                "each micro-batch's loss divided by accum_steps, one step and one "
-                "zero_grad per accum_steps micro-batches?"
+                f"{ACCUMULATION_WEIGHT_ATOL:.0e} from the checker's own "
+                f"{COMPARED_STEPS} big-batch steps (float32 rounding leaves under "
+                f"{MAX_FRACTION_BEYOND_ATOL:.1%}): {COMPARED_STEPS} steps from "
+                "initial_state in drill 1's data order, torch.optim.AdamW("
+                f"model.parameters(), lr={COMPARED_LR:g}) without a scheduler, one "
+                "step and one zero_grad per batch?"
             )
-    gap = abs(big_batch_accuracy - accumulated_accuracy)
-    if gap > MAX_ACCURACY_GAP:
-        problems.append(f"accuracies differ by {gap:.2%} (> {MAX_ACCURACY_GAP:.1%})")
+    big_batch_accuracy = _accuracy(model, test_images, test_labels)
+    accumulated_accuracy = _accuracy(accumulated_model, test_images, test_labels)
+    accuracy_gap = abs(big_batch_accuracy - accumulated_accuracy)
+    if _same_tensors(accumulated_model.state_dict(), model.state_dict()):
+        problems.append(
+            "accumulated_model has drill 1's weights: train a new model, with "
+            "accumulation"
+        )
+    elif accuracy_gap > MAX_ACCURACY_GAP:
+        problems.append(
+            f"test accuracies {big_batch_accuracy:.2%} (drill 1) and "
+            f"{accumulated_accuracy:.2%} (accumulated) differ by {accuracy_gap:.2%} "
+            f"(> {MAX_ACCURACY_GAP:.1%})"
+        )
     _fail_if(problems, 4)
     return (
-        f"drill 4 passed: the first gradients agree; {beyond:.4%} of weights beyond "
-        f"{ACCUMULATION_WEIGHT_ATOL:.0e} after {compared_steps} steps; accuracy "
-        f"{big_batch_accuracy:.2%} vs {accumulated_accuracy:.2%} accumulated"
+        f"drill 4 passed: accumulation agrees with the checker's big-batch steps; "
+        f"test accuracy {big_batch_accuracy:.2%} vs {accumulated_accuracy:.2%} "
+        "accumulated"
     )
 
 
@@ -325,29 +332,30 @@ def check_drill_5(
     if dtypes != {torch.float32}:
         _fail_if(
             [
-                f"the model's weights are {sorted(map(str, dtypes))}, not float32: autocast leaves the weights "
-                "in float32 and runs each matrix product in bf16; model.to(torch.bfloat16) rounds the weights "
-                "themselves. Reload drill 1's float32 weights and use `with torch.autocast(device_type, "
-                "dtype=torch.bfloat16):` around the forward pass"
+                f"the model's weights are {sorted(map(str, dtypes))}, not float32: "
+                "model.to(torch.bfloat16) rounds the weights; autocast keeps them "
+                "and runs each matrix product in bf16. Reload drill 1's weights and "
+                "put `with torch.autocast(device_type, dtype=torch.bfloat16):` "
+                "around the forward pass"
             ],
             5,
         )
     problems = []
-    expected_fp32 = F.cross_entropy(_logits(model, test_images), test_labels).item()
-    expected_bf16 = F.cross_entropy(
-        _logits(model, test_images, torch.bfloat16), test_labels
-    ).item()
-    for name, value, expected in [
-        ("fp32_loss", fp32_loss, expected_fp32),
-        ("bf16_loss", bf16_loss, expected_bf16),
+    for name, value, precision in [
+        ("fp32_loss", fp32_loss, "fp32"),
+        ("bf16_loss", bf16_loss, "bf16"),
     ]:
+        logits = eval_logits(model, test_images, precision)
+        expected = F.cross_entropy(logits, test_labels).item()
         if not math.isclose(value, expected, rel_tol=LOSS_RECOMPUTE_RTOL):
             problems.append(
-                f"{name} = {value:.6f}, but the checker computes {expected:.6f} for this model"
+                f"{name} = {value:.6f}, but the checker computes {expected:.6f} for "
+                "this model"
             )
     if fp32_loss == bf16_loss:
         problems.append(
-            "the two losses are identical: was autocast enabled, with dtype=torch.bfloat16?"
+            "the two losses are identical: was autocast enabled, with "
+            "dtype=torch.bfloat16?"
         )
     gap = abs(bf16_loss - fp32_loss) / fp32_loss
     if gap >= MAX_AUTOCAST_LOSS_GAP:
@@ -355,7 +363,10 @@ def check_drill_5(
             f"bf16 loss differs from fp32 by {gap:.2%} (>= {MAX_AUTOCAST_LOSS_GAP:.1%})"
         )
     _fail_if(problems, 5)
-    return f"drill 5 passed: same weights, loss {fp32_loss:.5f} fp32 vs {bf16_loss:.5f} bf16 ({gap:.3%})"
+    return (
+        f"drill 5 passed: same weights, loss {fp32_loss:.5f} fp32 vs "
+        f"{bf16_loss:.5f} bf16 ({gap:.3%})"
+    )
 
 
 def check_drill_6(
@@ -372,48 +383,46 @@ def check_drill_6(
         _fail_if(
             [
                 f"{path} does not load with torch.load(..., weights_only=True): "
-                f"{str(error).splitlines()[0][:120]}. torch.save(model) pickles the module object, and reading "
-                "it back needs weights_only=False, which runs whatever code the file names; save "
-                "model.state_dict() instead"
+                f"{str(error).splitlines()[0][:120]}. torch.save(model) pickles the "
+                "module object, and reading it back needs weights_only=False, which "
+                "runs whatever code the file names; save model.state_dict() instead"
             ],
             6,
         )
     problems = []
     state = {name: tensor.cpu() for name, tensor in model.state_dict().items()}
     if not isinstance(saved, Mapping) or saved.keys() != state.keys():
+        keys = sorted(saved)[:4] if isinstance(saved, Mapping) else "-"
         problems.append(
-            f"{path} holds {type(saved).__name__} with keys {sorted(saved)[:4] if isinstance(saved, Mapping) else '-'}; "
-            f"expected the model's state dict, keys {sorted(state)[:4]}..."
+            f"{path} holds {type(saved).__name__} with keys {keys}; expected the "
+            f"model's state dict, keys {sorted(state)[:4]}..."
         )
-    elif not all(torch.equal(saved[name], state[name]) for name in state):
-        problems.append(
-            f"{path} holds other weights than the model's (saved before training ended?)"
-        )
+    elif not _same_tensors(saved, state):
+        problems.append(f"{path} holds other weights than the model's (saved early?)")
     if reloaded is model:
         problems.append(
-            "`reloaded` is the original model object; build a new model and load the file into it"
+            "`reloaded` is the original model object; build a new model and load the "
+            "file into it"
         )
-    elif {p.data_ptr() for p in model.parameters()} & {
-        p.data_ptr() for p in reloaded.parameters()
-    }:
-        problems.append("the reloaded model shares parameter memory with the original")
-    shapes = {
-        name: tuple(tensor.shape) for name, tensor in reloaded.state_dict().items()
-    }
-    if shapes != {name: tuple(tensor.shape) for name, tensor in state.items()}:
+    shapes = [tuple(tensor.shape) for tensor in reloaded.state_dict().values()]
+    if shapes != [tuple(tensor.shape) for tensor in state.values()]:
         problems.append(
-            f"the reloaded model has other parameters ({shapes}); build it with the same sizes and "
-            "load_state_dict with strict=True, which refuses a mismatch"
+            f"the reloaded model has other parameters ({shapes}); build it with the "
+            "same sizes and load_state_dict with strict=True, which refuses a mismatch"
         )
     else:
-        before, after = _logits(model, test_images), _logits(reloaded, test_images)
+        before = eval_logits(model, test_images)
+        after = eval_logits(reloaded, test_images)
         if not torch.equal(before, after):
             problems.append(
                 f"test logits differ (max {(before - after).abs().max().item():.2e}): "
                 "the state dict did not round-trip"
             )
     _fail_if(problems, 6)
-    return f"drill 6 passed: {path.name} is a state dict; the reloaded model's {len(test_images):,} predictions are bit-identical"
+    return (
+        f"drill 6 passed: {path.name} is a state dict; the reloaded model's "
+        f"{len(test_images):,} predictions are bit-identical"
+    )
 
 
 def check_drill_7(safetensors_path: Path | str, model: nn.Module) -> str:
@@ -421,18 +430,14 @@ def check_drill_7(safetensors_path: Path | str, model: nn.Module) -> str:
     path = Path(safetensors_path)
     data = path.read_bytes()
     length = int.from_bytes(data[:SAFETENSORS_HEADER_LENGTH_BYTES], "little")
+    header_end = SAFETENSORS_HEADER_LENGTH_BYTES + length
     try:
-        header = json.loads(
-            data[
-                SAFETENSORS_HEADER_LENGTH_BYTES : SAFETENSORS_HEADER_LENGTH_BYTES
-                + length
-            ]
-        )
+        header = json.loads(data[SAFETENSORS_HEADER_LENGTH_BYTES:header_end])
     except (ValueError, UnicodeDecodeError):
         _fail_if(
             [
-                f"{path} is not a safetensors file: its first 8 bytes announce a {length:,}-byte "
-                f"header that is not JSON (starts with {data[:4]!r})"
+                f"{path} is not a safetensors file: its first 8 bytes announce a "
+                f"{length:,}-byte header that is not JSON (starts with {data[:4]!r})"
             ],
             7,
         )
@@ -468,9 +473,8 @@ CHECKERS: dict[int, Callable[..., str]] = {
 def check(number: int, namespace: Mapping[str, Any]) -> bool:
     """Run drill ``number``'s checker on names from ``namespace``; print the verdict.
 
-    Returns whether it passed. A missing name, a wrong answer or an answer the
-    checker cannot use is printed, never raised: a notebook run top to bottom
-    reports every drill.
+    Returns whether it passed. Nothing is raised, so a notebook run top to
+    bottom reports every drill.
     """
     checker = CHECKERS[number]
     names = list(inspect.signature(checker).parameters)
@@ -489,7 +493,7 @@ def check(number: int, namespace: Mapping[str, Any]) -> bool:
     # an answer of the wrong kind: say so, with what the checker expected
     except Exception as error:
         print(
-            f"drill {number}: could not check your answer ({type(error).__name__}: {error}); "
-            f"the checker takes {', '.join(names)}, as the task says"
+            f"drill {number}: could not check your answer ({type(error).__name__}: "
+            f"{error}); the checker takes {', '.join(names)}, as the task says"
         )
     return False

@@ -16,6 +16,7 @@ book's AdamW and schedule, which the drills train with).
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torchbook.device import AUTOCAST_DTYPES, timed
+from torchbook.device import autocast, timed
 from torchbook.download import mnist_root
 from torchbook.files import atomic_write
 from torchbook.mnist import resident_batches, resident_mnist
@@ -36,6 +37,8 @@ from torchbook.optim import OptimizerConfig, build_optimizer, build_schedule
 from torchbook.profiles import LabSizes, Profile
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler
+# Drill 4 compares its two ways step by step with plain AdamW at this constant rate.
+COMPARED_LR = 1e-3
 
 
 @dataclass
@@ -87,11 +90,7 @@ def eval_logits(model: nn.Module, images: Tensor, precision: str = "fp32") -> Te
     """The model's float32 logits in eval mode, under ``precision``'s autocast."""
     was_training = model.training
     model.eval()
-    with torch.autocast(
-        images.device.type,
-        dtype=AUTOCAST_DTYPES[precision],
-        enabled=precision != "fp32",
-    ):
+    with autocast(images.device.type, precision):
         logits = model(images).float()
     model.train(was_training)
     return logits
@@ -104,6 +103,21 @@ def accuracy_and_loss(
     logits = eval_logits(model, images, precision)
     accuracy = (logits.argmax(dim=1) == labels).float().mean().item()
     return accuracy, F.cross_entropy(logits, labels).item()
+
+
+def epochs_shuffled(order: torch.Generator, examples: int, most: int) -> int | None:
+    """Epochs ``order`` has shuffled since it was seeded; None beyond ``most``.
+
+    ``resident_batches`` draws one permutation of the ``examples`` per epoch
+    from the generator it is given: replaying those draws from the same seed
+    counts the epochs of a run, whatever batch size its loop used.
+    """
+    replay = torch.Generator(order.device).manual_seed(order.initial_seed())
+    for epochs in range(most + 1):
+        if torch.equal(replay.get_state(), order.get_state()):
+            return epochs
+        torch.randperm(examples, generator=replay, device=order.device)
+    return None
 
 
 # ----- the drills as functions: what examples/gpu_results.py reruns -----
@@ -160,11 +174,7 @@ def train_epoch(
             strict=True,
         )
         for micro_images, micro_labels in micro_batches:
-            with torch.autocast(
-                images.device.type,
-                dtype=AUTOCAST_DTYPES[precision],
-                enabled=precision != "fp32",
-            ):
+            with autocast(images.device.type, precision):
                 logits = model(micro_images)
             summed = F.cross_entropy(logits.float(), micro_labels, reduction="sum")
             loss = summed / len(batch_labels)
@@ -274,28 +284,71 @@ def compile_timing(
     }
 
 
+# A call in the code Inductor generates: a library's kernel (extern_kernels.addmm), a
+# C++ kernel (cpp_fused_relu_0(...)) or a Triton one, which the wrapper launches with
+# .run (triton_poi_fused_relu_0.run(...), as torch/_inductor/codegen/wrapper.py writes).
+GENERATED_CALL = re.compile(
+    r"^[ \t]+(extern_kernels\.\w+|cpp_fused_\w+|triton_\w+)(?:\.run)?\(", re.MULTILINE
+)
+
+
+def generated_calls(code: str) -> list[str]:
+    """The library calls and generated kernels in Inductor's code, in order."""
+    return GENERATED_CALL.findall(code)
+
+
+def compared_steps(
+    model: nn.Module,
+    images: Tensor,
+    labels: Tensor,
+    order: torch.Generator,
+    batch_size: int,
+    micro_batch_size: int,
+    steps: int,
+    lr: float = COMPARED_LR,
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Drill 4's comparison: ``steps`` steps of ``model``, in micro-batches.
+
+    Returns copies of the first batch's gradients and of the weights after the
+    steps. Plain AdamW at a constant ``lr``, without a schedule, so that the
+    exercise notebook's checker repeats the big-batch run exactly. Each
+    micro-batch's loss is summed and divided by the whole batch's size.
+    """
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    first_grads = {}
+    batches = resident_batches(images, labels, batch_size, order)
+    for _, (batch_images, batch_labels) in zip(range(steps), batches, strict=False):
+        micro_batches = zip(
+            batch_images.split(micro_batch_size),
+            batch_labels.split(micro_batch_size),
+            strict=True,
+        )
+        for micro_images, micro_labels in micro_batches:
+            summed = F.cross_entropy(model(micro_images), micro_labels, reduction="sum")
+            (summed / len(batch_labels)).backward()
+        if not first_grads:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return first_grads, {n: t.clone() for n, t in model.state_dict().items()}
+
+
 def accumulation_agreement(
     data: MnistTensors, sizes: LabSizes, profile: Profile
 ) -> dict:
     """Drill 4: weights after ``equivalence_steps`` steps, one batch and accumulated."""
     states = []
-    for accum_steps in (1, sizes.accum_steps):
-        model = fresh_model(sizes.hidden, profile.seed, profile.device)
-        optimizer, scheduler = lab_optimizer(
-            "adamw", model, sizes, sizes.equivalence_steps
-        )
-        train_epoch(
-            model,
-            optimizer,
-            scheduler,
+    for micro_batch_size in (sizes.batch_size, sizes.micro_batch_size):
+        _, state = compared_steps(
+            fresh_model(sizes.hidden, profile.seed, profile.device),
             data.train_images,
             data.train_labels,
-            sizes.batch_size,
             torch.Generator().manual_seed(profile.seed),
-            accum_steps,
-            max_steps=sizes.equivalence_steps,
+            sizes.batch_size,
+            micro_batch_size,
+            sizes.equivalence_steps,
         )
-        states.append(torch.cat([t.flatten() for t in model.state_dict().values()]))
+        states.append(torch.cat([t.flatten() for t in state.values()]))
     difference = (states[0] - states[1]).abs()
     return {
         "max_weight_difference": difference.max().item(),
