@@ -215,9 +215,9 @@ def test_the_expandable_segments_cell_reads_what_growing_batch_prints(
     assert "reserved 140 MiB" in capsys.readouterr().out
 
 
-def test_the_ddp_job_cell_gives_each_node_its_own_gpu(monkeypatch, tmp_path, capsys):
+def run_ddp_job_cell(monkeypatch, tmp_path, gpus: int) -> list[list[str]]:
+    """Chapter 6's DDP job cell on the gpu profile with ``gpus`` GPUs; its commands."""
     cell, inline = cell_and_inline_values("06-devices.qmd", "train_ddp.py")
-    sizes = active_profile().devices
     launched = []
 
     def fake_launch_together(commands, timeout_s, cwd=None, env=None):
@@ -232,20 +232,35 @@ def test_the_ddp_job_cell_gives_each_node_its_own_gpu(monkeypatch, tmp_path, cap
         return ["step   1  loss 5.5000", "rank 0: 4 all-reduces unsynced"]
 
     monkeypatch.setattr(torchbook.distributed, "launch_together", fake_launch_together)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     namespace = {
         "torch": torch,
         "profile": cuda_profile(),
-        "sizes": sizes,
+        "sizes": active_profile().devices,
         "work": tmp_path,
     }
     exec(cell, namespace)
     exec(inline, namespace)
+    return launched
+
+
+def test_the_ddp_job_cell_gives_each_node_its_own_gpu(monkeypatch, tmp_path, capsys):
+    launched = run_ddp_job_cell(monkeypatch, tmp_path, gpus=2)
     visible = [word for command in launched for word in command if "VISIBLE" in word]
     assert visible == [f"CUDA_VISIBLE_DEVICES={node}" for node in range(2)]
     assert all(command[-2:] == ["--device", "cuda"] for command in launched)
     shown = capsys.readouterr().out.splitlines()[:2]
     assert shown[0].startswith("CUDA_VISIBLE_DEVICES=0 torchrun --nnodes=2")
+
+
+def test_the_ddp_job_cell_on_one_gpu_runs_on_the_cpu_and_hides_nothing(
+    monkeypatch, tmp_path
+):
+    # Hiding the GPU would stop the workers: the gpu profile refuses to start
+    # without an accelerator, and train_ddp.py reads the profile.
+    launched = run_ddp_job_cell(monkeypatch, tmp_path, gpus=1)
+    assert all(command[-2:] == ["--device", "cpu"] for command in launched)
+    assert not any("VISIBLE" in str(word) for command in launched for word in command)
 
 
 @pytest.mark.slow
