@@ -75,8 +75,9 @@ Chapters 6, 7 and 9, and the results of full-size runs:
 - ``lab``: what the lab's drills share: the MLP, its evaluation and MNIST as resident
   tensors, and the drills as runs for the GPU results (builds on ``mnist``, ``download``
   and ``optim``).
-- ``drills``: the exercise notebook's checkers, independent of ``lab`` on purpose: they
-  recompute from your objects, not from the lab's code.
+- ``drills``: the exercise notebook's checkers: they recompute from your objects
+  (model, optimizer, generator, files), evaluate with the lab's own evaluation and
+  repeat drill 4's big-batch steps themselves (builds on ``lab``).
 - ``results``: results of full-size runs as JSON with provenance, and their staleness.
 - ``dry_run``: the GPU job's own run functions at full size on fake tensors, without a
   GPU (``FakeRun``): values read from data stay real, values the model computes are
