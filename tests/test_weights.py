@@ -187,6 +187,35 @@ def test_sharded_index_maps_every_stored_tensor_within_the_size_limit(tmp_path):
     assert_same_tensors(snapshot(loaded), snapshot(original))
 
 
+def test_saving_again_with_fewer_shards_leaves_none_of_the_old_ones(tmp_path):
+    folder = tmp_path / "sharded"
+    weights.save_sharded_safetensors(fresh_gpt(0), folder, max_shard_bytes=20_000)
+    index_path = weights.save_sharded_safetensors(
+        fresh_gpt(1), folder, max_shard_bytes=10**9
+    )
+    named = set(json.loads(index_path.read_text())["weight_map"].values())
+    assert {path.name for path in folder.glob("*.safetensors")} == named
+
+
+def test_an_interrupted_save_over_a_previous_one_leaves_no_index(tmp_path, monkeypatch):
+    # The previous index would name shards of which some are already the new ones.
+    folder = tmp_path / "sharded"
+    weights.save_sharded_safetensors(fresh_gpt(0), folder, max_shard_bytes=20_000)
+    write = weights._write_safetensors
+    written = []
+
+    def write_one_then_fail(path, *args):
+        if written:
+            raise OSError("disk full")
+        written.append(path)
+        return write(path, *args)
+
+    monkeypatch.setattr(weights, "_write_safetensors", write_one_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        weights.save_sharded_safetensors(fresh_gpt(1), folder, max_shard_bytes=20_000)
+    assert not (folder / weights.SAFETENSORS_INDEX).exists()
+
+
 def test_selective_loading_opens_only_the_shards_it_needs(tmp_path):
     original = fresh_gpt(0)
     index_path = weights.save_sharded_safetensors(

@@ -269,7 +269,9 @@ def save_sharded_safetensors(
     Each shard holds whole tensors, so one larger than ``max_shard_bytes`` gets a shard
     of its own; a tied name is recorded in the metadata of the shard that holds its
     tensor. The index, ``model.safetensors.index.json``, is written last: until it
-    exists, no shard set is complete.
+    exists, no shard set is complete. A previous save in ``folder`` loses its index
+    first, so that it never names half-overwritten shards, and its leftover shards
+    last.
     """
     tensors, aliases = _to_publish(model_or_state_dict, Path(folder))
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -282,6 +284,7 @@ def save_sharded_safetensors(
         shards[-1][name] = tensor
         shard_bytes += size
     folder = Path(folder)
+    (folder / SAFETENSORS_INDEX).unlink(missing_ok=True)
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(shards, start=1):
         filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
@@ -293,9 +296,13 @@ def save_sharded_safetensors(
         weight_map.update(dict.fromkeys(shard, filename))
     total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    return atomic_write_text(
+    index_path = atomic_write_text(
         folder / SAFETENSORS_INDEX, json.dumps(index, indent=2) + "\n"
     )
+    for shard_path in folder.glob("model-*-of-*.safetensors"):
+        if shard_path.name not in weight_map.values():  # a previous save's
+            shard_path.unlink()
+    return index_path
 
 
 def read_index(folder_or_index: str | Path) -> tuple[Path, dict[str, str]]:
