@@ -69,7 +69,7 @@ Chapters 6, 7 and 9, and the results of full-size runs:
   (builds on ``memory``, ``models`` and ``charlm``).
 - ``flops``: a GPT's training FLOPs per token from the formula and from
   ``FlopCounterMode``, the device's measured matmul peak, tokens per second and MFU
-  (builds on ``models`` and ``memory``).
+  (builds on ``models``, ``memory`` and ``memory_measure``).
 - ``mnist``: MNIST read from its verified raw IDX files, as a dataset of PIL images and
   as resident tensors.
 - ``lab``: what the lab's drills share: the MLP, its evaluation and MNIST as resident
