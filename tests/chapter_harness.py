@@ -6,7 +6,8 @@ What it adds to nbval:
   per block of inline `` `{python} expr` `` values, so a typo there fails here
   and not first at render time;
 - the kernel is this interpreter's (the ``.venv``), started in ``chapters/``
-  as Quarto does, with a fresh, empty ``torch.compile`` cache;
+  as Quarto does, with a fresh, empty ``torch.compile`` cache and an empty folder
+  for derived files (``BOOK_CACHE_DIR``), as on a fresh clone;
 - each chapter's time judged as if it ran alone: the CPU seconds of its kernel and
   of the processes the kernel started and waited for, so that chapters running side
   by side under pytest-xdist do not push each other over their budgets; the wall
@@ -42,6 +43,8 @@ from nbval.plugin import IPyNbCell, IPyNbFile, NbCellError, find_metadata_tags
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from qmd_notebook import QmdError, parse_qmd, to_notebook  # noqa: E402
 
+from torchbook.download import CACHE_VARIABLE, DATA_VARIABLE, data_dir  # noqa: E402
+
 # Budgets from the book's design, on 2 CPU cores without native bf16 (or under the
 # emulation conftest.py sets up) with a cold torch.compile cache, judged by CPU time
 # (torch runs one thread per process in the tests, so alone a chapter's CPU time is
@@ -53,6 +56,7 @@ LAB_BUDGET_S = 90.0
 LIMIT_FACTOR = 4.0
 KERNEL_STARTUP_TIMEOUT_S = 60
 COMPILE_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
+CHAPTER_ENV = (COMPILE_CACHE_VARIABLE, CACHE_VARIABLE, DATA_VARIABLE)
 WARNING_MARKERS = ("Warning:", "UserWarning", "FutureWarning", "DeprecationWarning")
 # Code that starts worker processes: DataLoader workers (num_workers other than 0) or
 # multiprocessing itself.
@@ -213,11 +217,17 @@ class ChapterFile(IPyNbFile):
 
     def setup(self):
         self.started = time.monotonic()
-        self.compile_cache = tempfile.TemporaryDirectory(prefix="inductor-")
         # The kernel inherits this process's environment (nbval passes no env of its
-        # own): give it a cold torch.compile cache, as a fresh render has.
-        self.saved_cache_variable = os.environ.get(COMPILE_CACHE_VARIABLE)
-        os.environ[COMPILE_CACHE_VARIABLE] = self.compile_cache.name
+        # own). Give it a cold torch.compile cache, as a fresh render has, and a cache
+        # folder of its own for what it derives (shards, tokenizers, checkpoints), as
+        # a fresh clone has: so a chapter builds everything it uses, and its default
+        # and spawn runs, side by side under xdist, never share files. The raw data
+        # stays where `make test` put it.
+        self.scratch = tempfile.TemporaryDirectory(prefix="chapter-")
+        self.saved_environment = {name: os.environ.get(name) for name in CHAPTER_ENV}
+        os.environ[DATA_VARIABLE] = str(data_dir())
+        os.environ[CACHE_VARIABLE] = str(Path(self.scratch.name) / "cache")
+        os.environ[COMPILE_CACHE_VARIABLE] = str(Path(self.scratch.name) / "inductor")
         self.kernel = RunningKernel(
             CURRENT_ENV_KERNEL_NAME,
             cwd=str(self.path.parent),
@@ -242,11 +252,12 @@ class ChapterFile(IPyNbFile):
         last_cell = getattr(self, "last_cell", None)
         if last_cell is not None and cpu_s is not None:
             last_cell.user_properties.append((CHAPTER_TIME, (label, cpu_s, elapsed)))
-        self.compile_cache.cleanup()
-        if self.saved_cache_variable is None:
-            os.environ.pop(COMPILE_CACHE_VARIABLE, None)
-        else:
-            os.environ[COMPILE_CACHE_VARIABLE] = self.saved_cache_variable
+        self.scratch.cleanup()
+        for name, value in self.saved_environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 CHAPTER_TIME = "chapter_time"
