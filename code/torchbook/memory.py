@@ -1,10 +1,11 @@
 """Where a GPT's training memory goes, predicted from its shape; and a calculator.
 
 It builds on ``torchbook.models`` (``GPTConfig`` and the ``GPT`` whose saved
-tensors the formula counts, one by one) and ``torchbook.device`` (the
-precisions). ``torchbook.memory_measure`` measures the same quantities without
-any formula, and ``torchbook.gpu_fit`` predicts the book's own GPU runs.
-``python -m torchbook.memory --help`` runs the calculator on any shape.
+tensors the formula counts, one by one), reading only a config's sizes, so it
+imports no torch. ``torchbook.memory_measure`` measures the same quantities
+without any formula, and ``torchbook.gpu_fit`` predicts the book's own GPU
+runs. ``python -m torchbook.memory --help`` runs the calculator,
+``torchbook.memory_calculator``, on this GPT or on a Hugging Face config.
 
 Training memory has four kinds (Rajbhandari et al. 2020, "ZeRO"):
 
@@ -34,14 +35,19 @@ attention dropout is on; CUDA's fused kernels handle dropout themselves.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torchbook.device import AUTOCAST_DTYPES
-from torchbook.models import MLP_EXPANSION, GPTConfig
+if TYPE_CHECKING:  # the formula reads a config's sizes; it needs no torch
+    from torchbook.models import GPTConfig
 
+# Bytes of each precision's autocast dtype (torchbook.device.AUTOCAST_DTYPES, which
+# a test compares), and the MLP's width (torchbook.models.MLP_EXPANSION): written
+# out so that the calculator answers without importing torch, which takes seconds.
+AUTOCAST_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MLP_EXPANSION = 4
 GPU_BYTES = 80 * 10**9  # the GPUs readers rent: A100 / H100 with 80 GB
 # A run "fits" when its predicted peak is at most half of the GPU: the rest is for the
 # CUDA context, cuBLAS workspaces, the caching allocator's fragmentation and
@@ -73,7 +79,7 @@ class TrainingShape:
 
     batch_size: int  # rows per rank per micro-batch
     seq_len: int
-    precision: str = "fp32"  # a key of AUTOCAST_DTYPES
+    precision: str = "fp32"  # a key of AUTOCAST_BYTES
     checkpointing: str = "none"  # one of CHECKPOINTING
     loss_chunks: int = 1  # head and loss over this many slices (train.summed_loss)
     loop: str = "trainer"  # one of LOOPS
@@ -85,7 +91,7 @@ class TrainingShape:
 
     def __post_init__(self) -> None:
         for name, allowed in (
-            ("precision", tuple(AUTOCAST_DTYPES)),
+            ("precision", tuple(AUTOCAST_BYTES)),
             ("checkpointing", CHECKPOINTING),
             ("loop", LOOPS),
             ("optimizer", tuple(OPTIMIZER_STATES)),
@@ -180,7 +186,7 @@ def block_bytes_per_token(config: GPTConfig, shape: TrainingShape) -> int:
     the outputs of its four matmuls (a·9C) and of attention (aC + 4H).
     """
     width, heads, steps = config.d_model, config.n_head, shape.seq_len
-    low = AUTOCAST_DTYPES[shape.precision].itemsize
+    low = AUTOCAST_BYTES[shape.precision]
     if shape.checkpointing == "full":
         return FP32 * width
     if shape.checkpointing == "selective":
@@ -217,7 +223,7 @@ def activation_terms(config: GPTConfig, shape: TrainingShape) -> dict[str, int]:
     """
     tokens = shape.batch_size * shape.seq_len
     width, vocab = config.d_model, config.vocab_size
-    low = AUTOCAST_DTYPES[shape.precision].itemsize
+    low = AUTOCAST_BYTES[shape.precision]
     copied = matmul_parameter_count(config)
     if shape.checkpointing != "none":
         copied = vocab * width
@@ -266,14 +272,19 @@ def loss_backward_bytes(config: GPTConfig, shape: TrainingShape) -> int:
 
     Unchunked: cross-entropy's two float32 gradients of V per token (and in the
     tutorial loop the logits themselves, a·V, alive since the forward). Chunked:
-    one slice's recomputed logits and log-probabilities and their gradients
-    (3 x 4V per token of the slice) and the head's weight gradient.
+    one slice's recomputed log-probabilities and their two gradients (3 x 4V
+    per token of the slice), the head's weight gradient summed over the slices
+    before, the hidden states' gradient summed likewise (4C per token), and
+    under autocast the head weight's 16-bit copy, which each slice makes again.
     """
     tokens, vocab = shape.batch_size * shape.seq_len, config.vocab_size
     if shape.loss_chunks > 1:
         rows = shape.batch_size * math.ceil(shape.seq_len / shape.loss_chunks)
-        return 3 * FP32 * rows * vocab + FP32 * vocab * config.d_model
-    held = AUTOCAST_DTYPES[shape.precision].itemsize if shape.loop == "tutorial" else 0
+        head = vocab * config.d_model
+        copy = 2 * head if AUTOCAST_BYTES[shape.precision] < FP32 else 0
+        hidden = FP32 * config.d_model * tokens
+        return 3 * FP32 * rows * vocab + FP32 * head + copy + hidden
+    held = AUTOCAST_BYTES[shape.precision] if shape.loop == "tutorial" else 0
     return (2 * FP32 + held) * tokens * vocab
 
 
@@ -285,11 +296,13 @@ def predict_peak(config: GPTConfig, shape: TrainingShape) -> int:
 
     - the start of the backward pass: every saved activation, plus the logits'
       share (``loss_backward_bytes``);
-    - each block's backward, last block first: the activations not yet freed,
-      the gradients made so far and this block's, two residual-stream
-      gradients, a checkpointed block's recomputed activations, and on SDPA's
-      math path the gradient of one (T, T) tensor per head (less the block's
-      MLP tensors, freed by the time attention's backward runs);
+    - each block's backward, last block first, with the activations not yet
+      freed, the gradients made so far and a checkpointed block's recomputed
+      activations: its MLP's backward (the second matrix's weight gradient and
+      two gradients of the MLP's width, that matrix's saved input freed), and
+      on SDPA's math path its attention's (the block's gradients, two
+      residual-stream gradients and the gradient of one (T, T) tensor per head,
+      less the block's MLP tensors, freed by then);
     - the optimizer step: every gradient.
 
     Gradients are None until the backward pass (``zero_grad(set_to_none=True)``).
@@ -297,7 +310,7 @@ def predict_peak(config: GPTConfig, shape: TrainingShape) -> int:
     memory = predict_memory(config, shape)
     terms = activation_terms(config, shape)
     tokens = shape.batch_size * shape.seq_len
-    width, low = config.d_model, AUTOCAST_DTYPES[shape.precision].itemsize
+    width, low = config.d_model, AUTOCAST_BYTES[shape.precision]
     grad_share = memory.gradients / (FP32 * parameter_count(config))
     block_params = (
         parameter_count(config) - config.vocab_size * width - 2 * width
@@ -305,6 +318,7 @@ def predict_peak(config: GPTConfig, shape: TrainingShape) -> int:
     block_grads = FP32 * block_params * grad_share
     always = memory.parameters + memory.optimizer_states + memory.gradient_buckets
     recompute = 0  # what a block's backward holds beyond the saved tensors
+    attention = 0  # the math path's attention backward, beyond those
     if shape.checkpointing != "none":  # the block's saved tensors, made again
         plain = TrainingShape(
             shape.batch_size,
@@ -327,7 +341,8 @@ def predict_peak(config: GPTConfig, shape: TrainingShape) -> int:
         mlp_saved = (
             FP32 * width + 2 * FP32 + low * (width + 2 * MLP_EXPANSION * width) + mask
         )
-        recompute += max(0, (FP32 * config.n_head * shape.seq_len - mlp_saved) * tokens)
+        attention = FP32 * config.n_head * shape.seq_len - mlp_saved
+        attention = max(0, attention * tokens) + 2 * FP32 * width * tokens
     moments = [always + memory.activations + loss_backward_bytes(config, shape)]
     if shape.loop == "tutorial":  # the logits stay until the step ends
         always += tokens * config.vocab_size * low
@@ -336,15 +351,13 @@ def predict_peak(config: GPTConfig, shape: TrainingShape) -> int:
     )
     # tied head and final LayerNorm
     grads = FP32 * (config.vocab_size * width + 2 * width) * grad_share
+    mlp_width = MLP_EXPANSION * width
+    second_matrix = FP32 * (mlp_width * width + width) * grad_share
     for _ in range(config.n_layer):
-        moments.append(
-            always
-            + remaining
-            + grads
-            + block_grads
-            + recompute
-            + 2 * FP32 * width * tokens
-        )
+        held = always + remaining + grads + recompute
+        moments.append(held + second_matrix + low * mlp_width * tokens)
+        if attention:
+            moments.append(held + block_grads + attention)
         remaining -= terms["blocks"] // config.n_layer
         grads += block_grads
     moments.append(always + memory.gradients)
@@ -371,76 +384,14 @@ def kv_cache_bytes(
     return per_token * batch_size * seq_len
 
 
-# The calculator: python -m torchbook.memory --help
-
-
-def breakdown_table(config: GPTConfig, shape: TrainingShape, gpu_gb: float) -> str:
-    """The calculator's report: bytes by kind, the predicted peak, the fit on a GPU."""
-    memory = predict_memory(config, shape)
-    rows = {
-        "parameters": memory.parameters,
-        "gradients": memory.gradients,
-        "optimizer states": memory.optimizer_states,
-        "DDP gradient buckets": memory.gradient_buckets,
-    }
-    for term, value in activation_terms(config, shape).items():
-        rows[f"activations: {term}"] = value
-    rows["logits' share at the loss's backward"] = loss_backward_bytes(config, shape)
-    peak, gpu = predict_peak(config, shape), gpu_gb * 1e9
-    lines = [f"{kind:42s}{value / 1e9:>10.3f} GB" for kind, value in rows.items()]
-    verdict = "fits" if peak <= FIT_SHARE * gpu else "does not fit"
-    lines += [
-        f"{'predicted peak of a step':42s}{peak / 1e9:>10.3f} GB",
-        f"{peak / gpu:.1%} of a {gpu_gb:g} GB GPU: {verdict} "
-        f"(the book asks for at most {FIT_SHARE:.0%})",
-    ]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Parse a model's shape and a training setup, print ``breakdown_table``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m torchbook.memory",
-        description="Predict a GPT's training memory per rank, by kind, and its peak.",
-    )
-    add = parser.add_argument
-    add("--layers", type=int, default=12)
-    add("--width", type=int, default=768, help="d_model")
-    add("--heads", type=int, default=12)
-    add("--vocab", type=int, default=50304)
-    add("--seq", type=int, default=1024, help="tokens per row")
-    add("--batch", type=int, default=8, help="rows per rank")
-    add("--precision", default="bf16", help=f"one of {list(AUTOCAST_DTYPES)}")
-    add("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
-    add("--checkpointing", default="none", choices=CHECKPOINTING)
-    add("--loss-chunks", type=int, default=1, help="1: the loss in one piece")
-    add("--loop", default="trainer", choices=LOOPS)
-    add("--parallel", default="none", choices=SHARDINGS)
-    add("--ranks", type=int, default=1, help="data-parallel ranks")
-    add("--bucket-view", action="store_true", help="DDP gradient_as_bucket_view")
-    add("--gpu-gb", type=float, default=GPU_BYTES / 1e9, help="GPU memory in GB")
-    args = parser.parse_args(argv)
-    if args.gpu_gb <= 0:
-        parser.error(f"--gpu-gb must be > 0, got {args.gpu_gb}")
-    try:
-        config = GPTConfig(args.vocab, args.seq, args.layers, args.heads, args.width)
-        shape = TrainingShape(
-            args.batch,
-            args.seq,
-            args.precision,
-            args.checkpointing,
-            args.loss_chunks,
-            args.loop,
-            args.optimizer,
-            args.parallel,
-            args.ranks,
-            args.bucket_view,
-            device_type="cuda",
-        )
-    except ValueError as error:  # names the field and what was expected
-        parser.error(f"{error}\n  ({NAMES})")
-    print(breakdown_table(config, shape, args.gpu_gb))
-    return 0
+    """The calculator (``torchbook.memory_calculator``): ``python -m torchbook.memory``.
+
+    Imported here, when called: the calculator builds on this module.
+    """
+    from torchbook.memory_calculator import main as calculator
+
+    return calculator(argv)
 
 
 if __name__ == "__main__":
