@@ -190,7 +190,7 @@ def fake_storage(model: nn.Module) -> nn.Module:
 
 @contextmanager
 def _quiet() -> Iterator[None]:
-    """No warnings (transformers' and the trackers' advice), and the eager masks.
+    """No warnings or logs (transformers' and the trackers' advice), eager masks.
 
     To tell packed rows from plain ones transformers reads the position ids;
     it cannot read a fake tensor's values, so it takes the rows for packed and
@@ -198,15 +198,21 @@ def _quiet() -> Iterator[None]:
     real run of unpacked rows never does. The check says what a real run finds.
     """
     from transformers import masking_utils
+    from transformers.utils import logging
 
-    with (
-        warnings.catch_warnings(),
-        patch.object(
-            masking_utils, "find_packed_sequence_indices", lambda position_ids: None
-        ),
-    ):
-        warnings.simplefilter("ignore")
-        yield
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # and no log lines
+    try:
+        with (
+            warnings.catch_warnings(),
+            patch.object(
+                masking_utils, "find_packed_sequence_indices", lambda ids: None
+            ),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.set_verbosity(verbosity)
 
 
 class _PeakOnly:
