@@ -276,7 +276,8 @@ def main() -> int:
             f"{config.n_layer:>6d}{config.d_model:>6d}{shape.batch_size:>6d}"
             f"{shape.seq_len:>7d}{shape.precision:>5s}{shape.checkpointing:>10s}"
             f"{config.dropout:>5.1f}{shape.loss_chunks:>7d}{shape.loop:>9s}"
-            f" | {predicted_saved / 1e6:>9.2f} / {saved / 1e6:>8.2f}{saved_error:>+7.1%}"
+            f" | {predicted_saved / 1e6:>9.2f} / {saved / 1e6:>8.2f}"
+            f"{saved_error:>+7.1%}"
             f" | {predicted_peak / 1e6:>8.2f} / {peak / 1e6:>8.2f}{peak_error:>+7.1%}",
             flush=True,
         )
