@@ -157,17 +157,17 @@ def book_gpt_rows(arch: Architecture, setup: Setup, loop: str) -> tuple[dict, in
     return rows, predict_peak(config, shape)
 
 
-def assumptions(arch: Architecture, setup: Setup, config: str, loop: str) -> list[str]:
+def assumptions(
+    arch: Architecture, setup: Setup, config: str, loop: str, book_llama: bool
+) -> list[str]:
     """What the prediction assumes, in words: the model, the step, the kernels."""
     book = arch.family == "torchbook-gpt"
-    model = (
-        "the book's GPT (torchbook.models)"
-        if book
-        else (
-            f"transformers' {arch.family} model from {config}, SDPA attention, "
-            "use_cache=False"
-        )
-    )
+    hf = f"transformers' {arch.family} model, SDPA attention, use_cache=False"
+    model = f"{hf}, from {config}"
+    if book:
+        model = "the book's GPT (torchbook.models)"
+    elif book_llama:  # the same matrices; activations as transformers' code saves them
+        model = f"the book's Llama (torchbook.llama) from {config}, counted as {hf}"
     loss = "the loss over the whole sequence at once"
     if setup.loss_chunks > 1:
         loss = f"the head and loss over {setup.loss_chunks} checkpointed slices"
@@ -377,7 +377,8 @@ def calculate(args: argparse.Namespace) -> tuple[dict[str, object], list[str]]:
         f"{count:,} training"
     )
     result = report(title, rows, peak, moment, args.gpu_gb)
-    return result, assumptions(arch, setup, source, args.loop)
+    book_llama = "n_kv_head" in config
+    return result, assumptions(arch, setup, source, args.loop, book_llama)
 
 
 def main(argv: list[str] | None = None) -> int:
