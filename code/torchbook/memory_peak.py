@@ -128,7 +128,7 @@ def predict(arch: Architecture, setup: Setup) -> Prediction:
     count, _ = trainable(arch, setup)
     block_grads = (count - (arch.outside_parameters() if full else 0)) // arch.layers
     block_grads = sizes.grad * block_grads // shards if full else ADAPTER * block_grads
-    per_block = (terms["blocks"] + terms["bf16 weight copies"] - 0) // arch.layers
+    per_block = (terms["blocks"] + terms["bf16 weight copies"]) // arch.layers
     recompute = _recompute(arch, setup)
     # a block's backward starts in its MLP: the residual stream's gradient, two
     # gradients of the MLP's width, and its last matrix's weight gradient
@@ -189,10 +189,11 @@ def _fsdp_in_flight(arch: Architecture, setup: Setup) -> dict[str, int]:
     """FSDP2's unsharded tensors: the root's parameters, and the blocks' in flight.
 
     The root (embeddings, final norm, head) stays gathered from its forward to
-    its backward. When the backward starts, the last block is already gathered
-    again (or still, without ``reshard_after_forward``: every block is). A
-    block's backward holds its gathered parameters and the next one's
-    (prefetched), its unsharded gradients and the reduce-scatter's input.
+    its backward. When the forward ends the last all-gather's buffer is still
+    there, and the backward starts with the last block gathered (without
+    ``reshard_after_forward``, every block stays gathered). A block's backward
+    holds its gathered parameters and the next one's (prefetched), its
+    unsharded gradients and the reduce-scatter's input.
     """
     sizes = element_bytes(setup)
     gathered = FP32 if setup.precision in ("fp32", "bf16-autocast") else 2
