@@ -93,7 +93,7 @@ class Setup:
         refusals = [
             (
                 self.parallel == "none" and self.ranks > 1,
-                f"ranks={self.ranks} with parallel='none' (one of {PARALLEL[1:]}?)",
+                f"ranks={self.ranks} with parallel='none': choose {PARALLEL[1:]}",
             ),
             (self.bucket_view and self.parallel != "ddp", "bucket_view is DDP's"),
             (
@@ -109,7 +109,8 @@ class Setup:
             (
                 self.trains == "frozen"
                 and (self.optimizer, self.checkpointing) != ("none", "none"),
-                "a frozen model has no optimizer and no backward to checkpoint for",
+                "a frozen model has no optimizer and no backward to checkpoint "
+                "(optimizer='none', checkpointing='none')",
             ),
             (
                 self.trains == "frozen" and self.parallel != "none",
@@ -311,7 +312,7 @@ class _Walk:
         return x_grad or self.trains or adapter
 
     def dropout(self, x_grad: bool, width: int, element: int) -> None:
-        """A dropout mask: the input's dtype on the CPU, 1-byte bools on CUDA."""
+        """A dropout mask: the input's dtype on the CPU; on CUDA (unmeasured) bools."""
         if self.arch.residual_dropout > 0 and x_grad:
             self.per_token += width * (
                 1 if self.setup.device_type == "cuda" else element
