@@ -157,3 +157,36 @@ def test_a_module_copied_with_what_it_declares_imports_without_the_package(
         f"{module} copied with {sorted(declared_closure(module))} "
         f"does not import: {copy_errors[module]}"
     )
+
+
+def package_guide() -> dict[str, set[str]]:
+    """What ``torchbook/__init__.py`` says each module builds on, by its bullet.
+
+    A bullet reads ``- ``name``: what it does (builds on ``a``, ``b`` and ``c``).``;
+    a bullet without "builds on" declares nothing.
+    """
+    import re
+
+    import torchbook
+
+    guide = {}
+    for bullet in re.split(r"\n- ", torchbook.__doc__ or "")[1:]:
+        name = re.match(r"``(\w+)``", bullet)
+        if name is None:
+            continue
+        bullet = " ".join(bullet.split())  # "builds on" may break across lines
+        declared = bullet.split("builds on", 1)[1] if "builds on" in bullet else ""
+        guide[name.group(1)] = set(re.findall(r"``(\w+)``", declared)) & set(MODULES)
+    return guide
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_the_package_guide_names_what_each_module_imports(module):
+    # A reader copies a module with what the guide names: it must be exactly what the
+    # module imports from the package, besides the three helpers.
+    imported = package_imports(PACKAGE / f"{module}.py") - HELPERS
+    declared = package_guide().get(module, set()) - HELPERS
+    assert declared == imported, (
+        f"torchbook/__init__.py says {module} builds on {sorted(declared)}; "
+        f"it imports {sorted(imported)}"
+    )

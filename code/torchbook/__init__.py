@@ -60,7 +60,21 @@ Chapters 6, 7 and 9, and the results of full-size runs:
 - ``memory``: where a GPT's training memory goes, predicted by formula: parameters,
   gradients, optimizer states, saved activations, logits, DDP buckets, the KV cache
   (precision, checkpointing, chunked loss, ZeRO/FSDP), and the calculator
-  ``python -m torchbook.memory`` (builds on ``models``).
+  ``python -m torchbook.memory``, which the calculator answers for any model (builds on
+  ``models`` and ``memory_calculator``).
+- ``memory_configs``: a model's shape from a Hugging Face ``config.json`` (Llama,
+  Mistral, Qwen2, GPT-2, the book's GPT and Llama) and its exact parameter count.
+- ``memory_step``: what a ``transformers`` model's training step stores per rank, by
+  precision, optimizer, LoRA, checkpointing, chunked loss and data parallelism
+  (builds on ``memory_configs``).
+- ``memory_peak``: that step's busiest moment, predicted (builds on ``memory_configs``
+  and ``memory_step``).
+- ``memory_calculator``: the command line behind ``python -m torchbook.memory``: each
+  row in bytes and GB, the assumptions, whether it fits, ``--json`` (builds on
+  ``memory``, ``memory_configs``, ``memory_peak`` and ``memory_step``).
+- ``memory_check``: the same step of ``transformers``' own model, ``peft``'s LoRA model
+  or FSDP2 over a fake process group, run on fake tensors with its peak tracked
+  (builds on ``memory_configs``, ``memory_step`` and ``recompute``).
 - ``memory_measure``: a step's memory measured without formulas: saved tensors, the
   peak, DDP's buckets (builds on ``train`` and ``memory``).
 - ``recompute``: selective activation checkpointing with ``torch.utils.checkpoint``'s
