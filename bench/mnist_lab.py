@@ -104,7 +104,8 @@ def main() -> None:
         ratios.append(lab_s / bare_s)
         cpu_ratios.append(lab_cpu / bare_cpu)
         print(
-            f"pair {pair + 1}: lab {lab_s:.2f} s ({lab_acc:.2%}), bare {bare_s:.2f} s ({bare_acc:.2%}), "
+            f"pair {pair + 1}: lab {lab_s:.2f} s ({lab_acc:.2%}), "
+            f"bare {bare_s:.2f} s ({bare_acc:.2%}), "
             f"ratio {ratios[-1]:.3f}; CPU-time ratio {cpu_ratios[-1]:.3f}"
         )
     print(

@@ -46,7 +46,8 @@ scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_st
 train_order = torch.Generator().manual_seed(seed)
 adamw_losses = []
 for epoch in range(3):
-    for images, labels in resident_batches(train_images, train_labels, batch_size, train_order):
+    batches = resident_batches(train_images, train_labels, batch_size, train_order)
+    for images, labels in batches:
         loss = F.cross_entropy(model(images), labels)
         loss.backward()
         optimizer.step()
@@ -57,7 +58,10 @@ for epoch in range(3):
     2: """
 compiled_model = torch.compile(make_mlp(seed), backend="eager")
 eager_model = make_mlp(seed)
-step_optimizers = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager_model, compiled_model)}
+step_optimizers = {
+    id(m): torch.optim.AdamW(m.parameters(), lr=1e-3)
+    for m in (eager_model, compiled_model)
+}
 
 def timed_step(m, images, labels):
     started = time.perf_counter()
@@ -66,7 +70,10 @@ def timed_step(m, images, labels):
     step_optimizers[id(m)].zero_grad()
     return time.perf_counter() - started
 
-batches = resident_batches(train_images, train_labels, batch_size, torch.Generator().manual_seed(seed), drop_last=True)
+order = torch.Generator().manual_seed(seed)
+batches = resident_batches(
+    train_images, train_labels, batch_size, order, drop_last=True
+)
 compile_s = timed_step(compiled_model, *next(batches))
 eager_times, compiled_times = [], []
 for _, (images, labels) in zip(range(20), batches):
@@ -80,7 +87,8 @@ sgd_optimizer = torch.optim.SGD(sgd_model.parameters(), lr=0.05, momentum=0.9)
 order = torch.Generator().manual_seed(seed)
 sgd_losses = []
 for epoch in range(3):
-    for images, labels in resident_batches(train_images, train_labels, batch_size, order):
+    batches = resident_batches(train_images, train_labels, batch_size, order)
+    for images, labels in batches:
         loss = F.cross_entropy(sgd_model(images), labels)
         loss.backward()
         sgd_optimizer.step()
@@ -89,7 +97,8 @@ for epoch in range(3):
 """,
     4: """
 def accumulated_epoch(m, opt, order, micro_batches, max_steps=None, scheduler=None):
-    for step, (images, labels) in enumerate(resident_batches(train_images, train_labels, 128, order)):
+    batches = resident_batches(train_images, train_labels, 128, order)
+    for step, (images, labels) in enumerate(batches):
         if step == max_steps:
             break
         for x, y in zip(images.chunk(micro_batches), labels.chunk(micro_batches)):
@@ -102,23 +111,36 @@ def accumulated_epoch(m, opt, order, micro_batches, max_steps=None, scheduler=No
 first_grads, states = [], []
 for micro_batches in (1, 4):
     m = make_mlp(seed)
-    images, labels = next(resident_batches(train_images, train_labels, 128, torch.Generator().manual_seed(seed)))
+    first_order = torch.Generator().manual_seed(seed)
+    images, labels = next(
+        resident_batches(train_images, train_labels, 128, first_order)
+    )
     for x, y in zip(images.chunk(micro_batches), labels.chunk(micro_batches)):
         (F.cross_entropy(m(x), y) / micro_batches).backward()
     first_grads.append({name: p.grad.clone() for name, p in m.named_parameters()})
     m = make_mlp(seed)
-    accumulated_epoch(m, torch.optim.AdamW(m.parameters(), lr=1e-3), torch.Generator().manual_seed(seed),
-                      micro_batches, max_steps=20)
+    optimizer_20 = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    order_20 = torch.Generator().manual_seed(seed)
+    accumulated_epoch(m, optimizer_20, order_20, micro_batches, max_steps=20)
     states.append({name: tensor.clone() for name, tensor in m.state_dict().items()})
 big_batch_grads, accumulated_grads = first_grads
 big_batch_state, accumulated_state = states
 accumulated_model = make_mlp(seed)
 accumulated_optimizer = torch.optim.AdamW(accumulated_model.parameters(), lr=2e-3)
-accumulated_scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(accumulated_optimizer, T_max=total_steps)
+accumulated_scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+    accumulated_optimizer, T_max=total_steps
+)
 order = torch.Generator().manual_seed(seed)
 for epoch in range(3):
-    accumulated_epoch(accumulated_model, accumulated_optimizer, order, 4, scheduler=accumulated_scheduler)
-print(f"test accuracy {test_accuracy(model):.2%}, accumulated {test_accuracy(accumulated_model):.2%}")
+    accumulated_epoch(
+        accumulated_model,
+        accumulated_optimizer,
+        order,
+        4,
+        scheduler=accumulated_scheduler,
+    )
+accuracy, accumulated_accuracy = test_accuracy(model), test_accuracy(accumulated_model)
+print(f"test accuracy {accuracy:.2%}, accumulated {accumulated_accuracy:.2%}")
 """,
     5: """
 model.eval()

@@ -170,7 +170,9 @@ def call(args):
     cpp_fused_relu_0(buf0)
     with torch.cuda._DeviceGuard(0):
         extern_kernels.mm(buf1, reinterpret_tensor(primals_4, (256, 128)), out=buf2)
-        triton_poi_fused_relu_threshold_backward_1.run(buf2, buf3, 32768, stream=stream0)
+        triton_poi_fused_relu_threshold_backward_1.run(
+            buf2, buf3, 32768, stream=stream0
+        )
     return (buf0, )
 """
 

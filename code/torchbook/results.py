@@ -54,7 +54,8 @@ PROVENANCE_FIELDS = {
     "date": str,  # ISO 8601, UTC
     "git_commit": str,  # "" outside a git checkout
     "wall_seconds": float,  # the run's own time
-    "sources": dict,  # repository-relative path -> SHA-256 of the file the run depends on
+    # repository-relative path -> SHA-256 of the file the run depends on
+    "sources": dict,
 }
 
 
@@ -305,12 +306,14 @@ def _validate(document: Any, path: Path) -> None:
         )
     if document.get("format") != RESULTS_FORMAT:
         raise ResultsError(
-            f"{path}: 'format' is {document.get('format')!r}, expected {RESULTS_FORMAT!r}; "
+            f"{path}: 'format' is {document.get('format')!r}, "
+            f"expected {RESULTS_FORMAT!r}; "
             "not a results file of this book"
         )
     if document.get("version") != RESULTS_VERSION:
         raise ResultsError(
-            f"{path}: 'version' is {document.get('version')!r}, expected {RESULTS_VERSION}"
+            f"{path}: 'version' is {document.get('version')!r}, "
+            f"expected {RESULTS_VERSION}"
         )
     for key in ("run", "profile"):
         if not isinstance(document.get(key), str) or not document[key]:
@@ -326,7 +329,8 @@ def _validate(document: Any, path: Path) -> None:
         _numbers(value, f"metrics[{key!r}]", path)
     if not isinstance(history, dict):
         raise ResultsError(
-            f"{path}: 'history' must be an object of series, got {type(history).__name__}"
+            f"{path}: 'history' must be an object of series, "
+            f"got {type(history).__name__}"
         )
     for series, columns in history.items():
         if not isinstance(columns, dict) or not columns:
@@ -366,7 +370,8 @@ def _validate(document: Any, path: Path) -> None:
             and not isinstance(value, kind)
         ):
             raise ResultsError(
-                f"{path}: provenance[{key!r}] must be {kind.__name__}, got {value!r:.80}"
+                f"{path}: provenance[{key!r}] must be {kind.__name__}, "
+                f"got {value!r:.80}"
             )
     for name, digest in provenance["sources"].items():
         if not isinstance(digest, str) or len(digest) != 64:
@@ -403,7 +408,8 @@ def read_result(path: str | Path) -> RunResult:
         RecursionError,
     ) as error:
         raise ResultsError(
-            f"{path}: not valid JSON for a results file ({type(error).__name__}: {error})"
+            f"{path}: not valid JSON for a results file "
+            f"({type(error).__name__}: {error})"
         ) from None
     _validate(document, path)
     return RunResult(
