@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from torchbook.memory import (
     TrainingShape,
@@ -144,17 +145,28 @@ def book_gpt_rows(arch: Architecture, setup: Setup, loop: str) -> tuple[dict, in
         setup.bucket_view,
         device_type=setup.device_type,
     )
-    memory = predict_memory(config, shape)
+    rows = memory_rows(
+        predict_memory(config, shape), gpt_activation_terms(config, shape)
+    )
+    rows["logits' share at the loss's backward"] = loss_backward_bytes(config, shape)
+    return rows, predict_peak(config, shape)
+
+
+def memory_rows(memory: Any, activations: dict[str, int]) -> dict[str, int]:
+    """The report's rows: the four kinds of state, then the activations by source.
+
+    ``memory`` is either prediction (the book's GPT's or a Hugging Face model's):
+    both name the four kinds the same way.
+    """
     rows = {
         "parameters": memory.parameters,
         "gradients": memory.gradients,
         "optimizer states": memory.optimizer_states,
         "DDP gradient buckets": memory.gradient_buckets,
     }
-    for term, value in gpt_activation_terms(config, shape).items():
+    for term, value in activations.items():
         rows[f"activations: {term}"] = value
-    rows["logits' share at the loss's backward"] = loss_backward_bytes(config, shape)
-    return rows, predict_peak(config, shape)
+    return rows
 
 
 def assumptions(
@@ -362,14 +374,7 @@ def calculate(args: argparse.Namespace) -> tuple[dict[str, object], list[str]]:
         moment = "torchbook.memory.predict_peak"
     else:
         prediction = predict(arch, setup)
-        rows = {
-            "parameters": prediction.parameters,
-            "gradients": prediction.gradients,
-            "optimizer states": prediction.optimizer_states,
-            "DDP gradient buckets": prediction.gradient_buckets,
-        }
-        for term, value in prediction.activations.items():
-            rows[f"activations: {term}"] = value
+        rows = memory_rows(prediction, prediction.activations)
         peak, moment = prediction.peak, prediction.peak_moment
     count, _ = trainable(arch, setup) if not book else (arch.parameter_count(), 0)
     title = (
