@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 
 # Fetch and verify MNIST and Tiny Shakespeare (only checks them when BOOK_DATA_DIR is set).
 data: $(STAMP)
-	$(PY) -m torchbook.download
+	$(PY) -m torchbook.book.download
 
 # The formatter and linter first (pyproject.toml, [tool.ruff]): a second of work.
 test: data

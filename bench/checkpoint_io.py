@@ -45,7 +45,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from torchbook.download import cache_dir
+from torchbook.book.download import cache_dir
 from torchbook.files import atomic_write
 from torchbook.models import GPT, GPTConfig, count_parameters
 from torchbook.weights import drop_shared, read_safetensors, save_safetensors

@@ -11,10 +11,10 @@ of the parameters and the optimizer's states. Then the KV cache's bytes, and
 DDP's gradient buckets on two CPU ranks (gloo), with and without
 ``gradient_as_bucket_view``.
 
-The models readers fine-tune (``torchbook.memory_peak``), at their real sizes
+The models readers fine-tune (``torchbook.memory.peak``), at their real sizes
 (124M to 8B parameters, the public configs of ``tests/test_memory_configs.py``):
 one step of transformers' own model, of peft's LoRA model and of FSDP2 over a
-fake process group of 8 ranks, on fake tensors (``torchbook.memory_check``,
+fake process group of 8 ranks, on fake tensors (``torchbook.memory.check``,
 the CPU's kernels), against the prediction. Each check's seconds are printed,
 wall and CPU (the CPU time is what another process's load does not inflate).
 
@@ -41,9 +41,9 @@ from torchbook.memory import (
     predict_memory,
     predict_peak,
 )
-from torchbook.memory_check import fake_peak
-from torchbook.memory_configs import architecture
-from torchbook.memory_measure import (
+from torchbook.memory.check import fake_peak
+from torchbook.memory.configs import architecture
+from torchbook.memory.measure import (
     ddp_bucket_bytes,
     peak_bytes,
     saved_activation_bytes,
@@ -51,8 +51,8 @@ from torchbook.memory_measure import (
     training_loss,
     training_step,
 )
-from torchbook.memory_peak import predict
-from torchbook.memory_step import Setup
+from torchbook.memory.peak import predict
+from torchbook.memory.step import Setup
 from torchbook.models import GPT, GPTConfig
 from torchbook.recompute import checkpoint_blocks_selectively
 from torchbook.train import TrainConfig, Trainer

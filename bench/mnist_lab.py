@@ -1,6 +1,6 @@
 """How much slower is the lab's training loop than a bare loop?
 
-The lab's loop is ``train_epoch`` in ``torchbook.lab``, which ``make
+The lab's loop is ``train_epoch`` in ``torchbook.book.lab``, which ``make
 gpu-results`` runs. Both train the lab's MLP from the same seeded weights, over
 the same resident MNIST tensors in the same seeded order, for the same number of
 steps (one epoch), with the same AdamW and cosine schedule, and both then compute
@@ -29,10 +29,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from torchbook import lab
+from torchbook.book import lab
+from torchbook.book.mnist import resident_batches
+from torchbook.book.profiles import make_profile
 from torchbook.device import synchronize
-from torchbook.mnist import resident_batches
-from torchbook.profiles import make_profile
 
 
 def steps_per_epoch(data: lab.MnistTensors, batch_size: int) -> int:

@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from torchbook.book.download import cache_dir, shakespeare_path
+from torchbook.book.profiles import active_profile
 from torchbook.chat import PadCollate, chat_example, pack_documents
 from torchbook.device import synchronize
-from torchbook.download import cache_dir, shakespeare_path
 from torchbook.models import GPT, GPTConfig
-from torchbook.profiles import active_profile
 from torchbook.tokenizer import PAD, cached_tokenizer
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torchbook.download import cache_dir
+from torchbook.book.download import cache_dir
 from torchbook.shards import open_shard, write_shards
 
 

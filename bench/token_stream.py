@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from torchbook.book.download import cache_dir
 from torchbook.data import StreamConfig, TokenDataset, TokenStream
-from torchbook.download import cache_dir
 from torchbook.shards import HEADER_BYTES, ShardError, open_shard, write_shard
 
 OUTPUT_BYTES_PER_TOKEN = 16  # int64 x and int64 y

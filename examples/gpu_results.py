@@ -10,7 +10,7 @@ small sizes; ``--max-steps`` shortens the language-model run further.
 
 ``--dry-run`` (``make gpu-results DRY_RUN=1``) needs no GPU: it calls the
 same run functions at the gpu profile's shapes and precision on fake tensors
-(``torchbook.dry_run``), which have shapes but no data, so a change that
+(``torchbook.book.dry_run``), which have shapes but no data, so a change that
 breaks the GPU job breaks the dry run too. It keeps every shape and cuts every
 count (two optimizer steps, two validation batches, a few batches per lab
 epoch, one timed step) and runs the language model in fp16 too, the
@@ -21,7 +21,7 @@ Its files, ``<run>-gpu-dry-run.json``, are marked ``dry_run``; the chapters
 never read them.
 
 Each file records the hashes of the sources its run depends on, derived from
-the names the run function uses (``torchbook.results.run_sources``); the
+the names the run function uses (``torchbook.book.results.run_sources``); the
 appendix lists the files with the device and date each was made on, and
 whether its code has changed since.
 """
@@ -41,22 +41,17 @@ from typing import NamedTuple
 
 import torch
 
-from torchbook.charlm import (
+from torchbook.book.charlm import (
     build,
     load_corpus,
     random_blocks,
     train_char_lm,
     unigram_baseline,
 )
-from torchbook.device import AUTOCAST_DTYPES, timed
-from torchbook.download import repository_root, shakespeare_path
-from torchbook.dry_run import FAKE_DEVICE, SWITCHED, FakeRun, fake_run
-from torchbook.flops import matmul_flops_per_second, throughput_metrics
-from torchbook.lab import load_data, run_drills
-from torchbook.memory import TrainingShape, predict_peak
-from torchbook.memory_measure import peak_bytes, state_bytes, training_step
-from torchbook.models import GPT, GPTConfig
-from torchbook.profiles import (
+from torchbook.book.download import repository_root, shakespeare_path
+from torchbook.book.dry_run import FAKE_DEVICE, SWITCHED, FakeRun, fake_run
+from torchbook.book.lab import load_data, run_drills
+from torchbook.book.profiles import (
     LabSizes,
     LanguageModelSizes,
     MemorySizes,
@@ -65,7 +60,7 @@ from torchbook.profiles import (
     gpu_profile,
     make_profile,
 )
-from torchbook.results import (
+from torchbook.book.results import (
     history_series,
     import_closure,
     make_provenance,
@@ -73,6 +68,11 @@ from torchbook.results import (
     run_sources,
     write_result,
 )
+from torchbook.device import AUTOCAST_DTYPES, timed
+from torchbook.memory import TrainingShape, predict_peak
+from torchbook.memory.flops import matmul_flops_per_second, throughput_metrics
+from torchbook.memory.measure import peak_bytes, state_bytes, training_step
+from torchbook.models import GPT, GPTConfig
 
 SCRIPT = "examples/gpu_results.py"  # a source of every run
 
@@ -99,7 +99,7 @@ class Output(NamedTuple):
         """The results file of ``function``'s run, with its sources' hashes."""
         sources = run_sources(function, SCRIPT, repository_root())
         if self.fake:  # the dry run's own code, and what it measured
-            dry_run = import_closure(["torchbook.dry_run"], repository_root())
+            dry_run = import_closure(["torchbook.book.dry_run"], repository_root())
             sources = sorted({*sources, *dry_run})
             metrics = {
                 **metrics,

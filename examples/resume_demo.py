@@ -44,6 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from torchbook.book.download import shakespeare_path
+from torchbook.book.profiles import CheckpointSizes, active_profile
 from torchbook.checkpoint import (
     TrainingCheckpoint,
     latest_checkpoint,
@@ -51,10 +53,8 @@ from torchbook.checkpoint import (
     save_training_checkpoint,
 )
 from torchbook.data import StreamConfig, TokenStream
-from torchbook.download import shakespeare_path
 from torchbook.files import atomic_write
 from torchbook.models import GPT, GPTConfig
-from torchbook.profiles import CheckpointSizes, active_profile
 from torchbook.shards import ShardError, read_header, write_shard
 from torchbook.train import TrainConfig, Trainer
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from torchbook.book.profiles import DeviceSizes, active_profile
 from torchbook.checkpoint import save_training_checkpoint
 from torchbook.data import StreamConfig, TokenStream
 from torchbook.distributed import (
@@ -42,7 +43,6 @@ from torchbook.distributed import (
 )
 from torchbook.files import atomic_write_text
 from torchbook.models import GPT, GPTConfig
-from torchbook.profiles import DeviceSizes, active_profile
 from torchbook.shards import read_shards
 from torchbook.train import TrainConfig, Trainer
 

@@ -43,7 +43,7 @@ from nbval.plugin import IPyNbCell, IPyNbFile, NbCellError, find_metadata_tags
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from qmd_notebook import QmdError, parse_qmd, to_notebook  # noqa: E402
 
-from torchbook.download import CACHE_VARIABLE, DATA_VARIABLE, data_dir  # noqa: E402
+from torchbook.book.download import CACHE_VARIABLE, DATA_VARIABLE, data_dir  # noqa: E402
 
 # Budgets from the book's design, on 2 CPU cores without native bf16 (or under the
 # emulation conftest.py sets up) with a cold torch.compile cache, judged by CPU time

@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from torchbook import charlm
-from torchbook.charlm import load_corpus, random_blocks
-from torchbook.profiles import LanguageModelSizes
+from torchbook.book import charlm
+from torchbook.book.charlm import load_corpus, random_blocks
+from torchbook.book.profiles import LanguageModelSizes
 
 
 def test_random_blocks_draws_every_window_including_the_last():

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchbook.book.download import shakespeare_path
+from torchbook.book.profiles import active_profile
 from torchbook.distributed import launch, torchrun_command
-from torchbook.download import shakespeare_path
-from torchbook.profiles import active_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 

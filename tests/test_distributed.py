@@ -20,6 +20,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchbook import checkpoint as ckpt
+from torchbook.book.download import shakespeare_path
+from torchbook.book.profiles import active_profile
+from torchbook.chat import IGNORE_INDEX
 from torchbook.data import StreamConfig, TokenStream
 from torchbook.distributed import (
     LaunchError,
@@ -34,11 +37,9 @@ from torchbook.distributed import (
     torchrun_command,
     torchrun_node_command,
 )
-from torchbook.download import shakespeare_path
 from torchbook.models import GPT, GPTConfig
-from torchbook.profiles import active_profile
 from torchbook.shards import read_shards, write_shards
-from torchbook.train import IGNORE_INDEX, TrainConfig, Trainer
+from torchbook.train import TrainConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 

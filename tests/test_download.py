@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from torchbook import download
+from torchbook.book import download
 from torchbook.files import is_temporary
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchbook.drills import check
+from torchbook.book.drills import check
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -204,7 +204,7 @@ def test_notebook_has_no_quarto_syntax_and_gives_no_solutions_away():
         "@sec-",
         ":::",
         "{#sec-",
-        "torchbook.lab",
+        "torchbook.book.lab",
         "drill_1(",
         "Solutions",
     ):

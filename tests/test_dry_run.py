@@ -21,7 +21,7 @@ from torch._C._profiler import _EventType
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
-from torchbook.dry_run import (
+from torchbook.book.dry_run import (
     SWITCHED,
     DryRunError,
     fake_peak_bytes,
@@ -29,10 +29,10 @@ from torchbook.dry_run import (
     gpt_step,
     gpu_steps,
 )
-from torchbook.memory_measure import training_step
+from torchbook.book.profiles import gpu_profile
+from torchbook.book.results import find_results, read_result
+from torchbook.memory.measure import training_step
 from torchbook.models import GPT, GPTConfig
-from torchbook.profiles import gpu_profile
-from torchbook.results import find_results, read_result
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "gpu_results.py"
@@ -314,24 +314,30 @@ def test_each_runs_sources_are_the_modules_it_uses_and_what_they_import(sources)
     # the lm run's Trainer builds on optim and device; the memory run's step on train
     assert {f"{code}optim.py", f"{code}device.py"} <= set(sources["lm"])
     assert f"{code}train.py" in sources["memory"]
-    assert f"{code}lab.py" in sources["lab"] and f"{code}lab.py" not in sources["lm"]
+    lab = f"{code}book/lab.py"
+    assert lab in sources["lab"] and lab not in sources["lm"]
+    # importing torchbook.memory.measure runs the folder's __init__.py first
+    assert f"{code}memory/__init__.py" in sources["memory"]
     assert all("examples/gpu_results.py" in files for files in sources.values())
     # Python's own record of what the script imports: each module in some run's list
     # but the dry run's, which writes its files' lists itself
-    imported = {
-        f"{code}{line.rsplit('|', 1)[1].strip().split('.')[1]}.py"
-        for line in script("-X", "importtime", str(SCRIPT), "--help").stderr.split("\n")
-        if line.rsplit("|", 1)[-1].strip().startswith("torchbook.")
-    }
+    imported = set()
+    for line in script("-X", "importtime", str(SCRIPT), "--help").stderr.split("\n"):
+        name = line.rsplit("|", 1)[-1].strip()
+        if name.startswith("torchbook."):
+            path = Path("code", *name.split("."))
+            is_package = (ROOT / path / "__init__.py").is_file()
+            path = path / "__init__.py" if is_package else path.with_suffix(".py")
+            imported.add(path.as_posix())
     used = set().union(*map(set, sources.values()))
-    assert imported - used == {f"{code}dry_run.py", f"{code}gpu_fit.py"}
+    assert imported - used == {f"{code}book/dry_run.py", f"{code}book/gpu_fit.py"}
 
 
 @pytest.mark.slow
 def test_a_dry_run_file_lists_its_runs_sources_and_the_dry_runs(dry_run_files, sources):
     out, _ = dry_run_files
     dry_run = read_result(out / "lm-cpu-dry-run.json").provenance["sources"]
-    assert set(sources["lm"]) | {"code/torchbook/dry_run.py"} <= set(dry_run)
+    assert set(sources["lm"]) | {"code/torchbook/book/dry_run.py"} <= set(dry_run)
 
 
 BREAK_AND_RUN = """

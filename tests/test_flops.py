@@ -1,4 +1,4 @@
-"""torchbook.flops: the FLOPs formula against FlopCounterMode, for each attention."""
+"""torchbook.memory.flops: the FLOPs formula against FlopCounterMode, per attention."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from torchbook.flops import count_training_flops, flops_per_token
+from torchbook.memory.flops import count_training_flops, flops_per_token
 from torchbook.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=96, block_size=64, n_layer=2, n_head=4, d_model=32)

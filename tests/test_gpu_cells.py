@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import torchbook.distributed
+from torchbook.book.profiles import active_profile
 from torchbook.distributed import launch, torchrun_command
-from torchbook.profiles import active_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -210,7 +210,7 @@ def test_the_expandable_segments_cell_reads_what_growing_batch_prints(
     # the program each process runs imports and calls the package's own function
     program = runs[0][0][-1]
     compile(program, "RUN", "exec")
-    from torchbook.memory_measure import growing_batch  # noqa: F401
+    from torchbook.memory.measure import growing_batch  # noqa: F401
 
     assert "reserved 140 MiB" in capsys.readouterr().out
 

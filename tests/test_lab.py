@@ -1,4 +1,4 @@
-"""The lab's shared pieces and its drill runners (torchbook.lab).
+"""The lab's shared pieces and its drill runners (torchbook.book.lab).
 
 The drills themselves run in chapter 9; ``make gpu-results`` reruns them at
 the gpu profile's sizes through the functions tested here.
@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchbook import lab
-from torchbook.mnist import resident_batches
-from torchbook.profiles import make_profile
-from torchbook.results import make_provenance, read_result, write_result
+from torchbook.book import lab
+from torchbook.book.mnist import resident_batches
+from torchbook.book.profiles import make_profile
+from torchbook.book.results import make_provenance, read_result, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -260,12 +260,12 @@ def test_run_drills_gives_every_number_in_the_results_format(
     monkeypatch.setattr(lab, "compile_timing", lambda *args: {"speedup": 1.0})
     metrics, series = lab.run_drills(data, sizes, profile)
     provenance = make_provenance(
-        profile.device, ROOT, ["code/torchbook/lab.py"], wall_seconds=1.0
+        profile.device, ROOT, ["code/torchbook/book/lab.py"], wall_seconds=1.0
     )
     path = write_result(
         tmp_path / "lab-cpu.json", "lab", "cpu", metrics, series, provenance
     )
-    written = read_result(path)  # the format torchbook.results validates
+    written = read_result(path)  # the format torchbook.book.results validates
     assert written.metrics["drill6.reload_bit_identical"] == 1.0
     assert written.metrics["drill6.safetensors_equal"] == 1.0
     assert written.metrics["drill2.speedup"] == 1.0

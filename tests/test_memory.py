@@ -7,19 +7,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from torchbook.gpu_fit import fit_table, gpu_run_peaks
+from torchbook.book.gpu_fit import FIT_SHARE, GPU_BYTES, fit_table, gpu_run_peaks
 from torchbook.memory import (
-    FIT_SHARE,
-    GPU_BYTES,
     TrainingShape,
     activation_terms,
     kv_cache_bytes,
-    main,
     parameter_count,
     predict_memory,
     predict_peak,
 )
-from torchbook.memory_measure import (
+from torchbook.memory.calculator import main
+from torchbook.memory.measure import (
     ddp_bucket_bytes,
     growing_batch,
     peak_bytes,
@@ -330,7 +328,7 @@ def test_expandable_segments_reserve_less_for_a_growing_batch():
     import subprocess
     import sys
 
-    code = "from torchbook.memory_measure import growing_batch; print(*growing_batch())"
+    code = "from torchbook.memory.measure import growing_batch; print(*growing_batch())"
     reserved = {}
     for expandable in (False, True):
         env = {
@@ -467,7 +465,7 @@ def test_the_calculator_imports_neither_torch_nor_transformers(tmp_path):
         encoding="utf-8",
     )
     code = (
-        "import sys; from torchbook.memory import main; "
+        "import sys; from torchbook.memory.calculator import main; "
         f"main(['--config', {str(config)!r}, '--json']); main([]); "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )

@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from torchbook.memory_calculator import NOT_COUNTED, main
-from torchbook.memory_configs import architecture
-from torchbook.memory_peak import predict
-from torchbook.memory_step import Setup
+from torchbook.memory.calculator import NOT_COUNTED, main
+from torchbook.memory.configs import architecture
+from torchbook.memory.peak import predict
+from torchbook.memory.step import Setup
 
 LLAMA = {
     "model_type": "llama",

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from torchbook.memory_configs import (
+from torchbook.memory.configs import (
     FAMILIES,
     architecture,
     hf_config,

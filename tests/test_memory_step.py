@@ -2,7 +2,7 @@
 
 Saved activations against a ``saved_tensors_hooks`` count of transformers'
 model; parameters, gradients and optimizer states against the tensors after a
-real step; and the peak against a fake-tensor run (``torchbook.memory_check``)
+real step; and the peak against a fake-tensor run (``torchbook.memory.check``)
 of each family, precision, optimizer, LoRA, checkpointing, chunked loss and
 FSDP2 over a fake process group, at small sizes (the bench runs 1B-8B).
 """
@@ -14,10 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from torchbook.memory_check import build_model, fake_peak, make_optimizer, step_loss
-from torchbook.memory_configs import architecture
-from torchbook.memory_peak import predict
-from torchbook.memory_step import Setup, activation_terms, state_bytes
+from torchbook.memory.check import build_model, fake_peak, make_optimizer, step_loss
+from torchbook.memory.configs import architecture
+from torchbook.memory.peak import predict
+from torchbook.memory.step import Setup, activation_terms, state_bytes
 
 SMALL = {  # every family's layout at a size a test runs in a second
     "llama": {

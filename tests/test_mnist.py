@@ -11,8 +11,8 @@ import pytest
 import torch
 from torchvision import datasets
 
-from torchbook.download import mnist_root
-from torchbook.mnist import (
+from torchbook.book.download import mnist_root
+from torchbook.book.mnist import (
     MNIST_MEAN,
     MNIST_STD,
     MnistFormatError,

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchbook.memory_measure import saved_activation_bytes
+from torchbook.memory.measure import saved_activation_bytes
 from torchbook.models import (
     GPT,
     INIT_STD,

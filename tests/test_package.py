@@ -1,12 +1,17 @@
-"""The package's copy rule: each module, copied with what it declares, imports.
+"""The package's layout and copy rule.
 
-A module imports from ``torchbook`` only its helpers and what its docstring declares.
+What readers copy stands at the top of ``code/torchbook``; the memory calculator's
+family lives in ``memory/``; what only makes the book lives in ``book/``, which
+nothing outside it imports. A module imports from ``torchbook`` only the two small
+helpers and what its docstring declares, and copied with what it declares (and the
+``__init__.py`` of the folder it sits in), it imports in an empty project.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,54 +19,147 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "code" / "torchbook"
-HELPERS = {"device", "profiles", "files"}  # any module may import these
-MODULES = sorted(path.stem for path in PACKAGE.glob("*.py") if path.stem != "__init__")
+HELPERS = {"device", "files"}  # any module may import these
+BOOK = "book"  # the book's own machinery: nothing outside it imports it
+
+
+def module_name(path: Path) -> str:
+    """``book/lab.py`` -> ``book.lab``; ``memory/__init__.py`` -> ``memory``."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_path(name: str) -> Path:
+    """The file of a module named relative to the package (the inverse of above)."""
+    path = PACKAGE.joinpath(*name.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+FILES = sorted(PACKAGE.rglob("*.py"))
+# Every module with code of its own: the package's guide and __main__ files aside.
+MODULES = sorted(
+    module_name(path)
+    for path in FILES
+    if path != PACKAGE / "__init__.py"
+    and path.name != "__main__.py"
+    and module_name(path) != BOOK
+)
 
 
 def package_imports(path: Path) -> set[str]:
-    """The ``torchbook`` modules that ``path`` imports, by their short names."""
+    """The ``torchbook`` modules that ``path`` imports, named relative to the package.
+
+    ``from torchbook.book import lab`` names ``book.lab``; ``from torchbook.memory
+    import TrainingShape`` names ``memory``. Imports inside functions count too.
+    """
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if (
-            isinstance(node, ast.ImportFrom)
-            and node.module
-            and node.module.startswith("torchbook.")
-        ):
-            names.add(node.module.split(".")[1])
-        elif isinstance(node, ast.ImportFrom) and node.module == "torchbook":
-            names.update(alias.name for alias in node.names)
+        if isinstance(node, ast.ImportFrom) and node.module:
+            head, _, rest = node.module.partition(".")
+            if head != "torchbook":
+                continue
+            for alias in node.names:
+                inner = f"{rest}.{alias.name}" if rest else alias.name
+                if module_path(inner).is_file():
+                    names.add(inner)  # "from package import module"
+                elif rest:
+                    names.add(rest)
         elif isinstance(node, ast.Import):
             names.update(
-                alias.name.split(".")[1]
+                alias.name.partition(".")[2]
                 for alias in node.names
                 if alias.name.startswith("torchbook.")
             )
     return names
 
 
+def parents(name: str) -> set[str]:
+    """The sub-packages whose ``__init__.py`` Python runs before ``name``."""
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def builds_on(name: str) -> set[str]:
+    """What a module imports from the package, besides helpers and its own folder's
+    ``__init__.py``, which Python runs anyway."""
+    return package_imports(module_path(name)) - HELPERS - parents(name) - {BOOK}
+
+
+def names_module(docstring: str, other: str) -> bool:
+    """Whether ``docstring`` names ``torchbook.<other>`` itself, not a module in it."""
+    return (
+        re.search(rf"torchbook\.{re.escape(other)}(?!\w|\.\w)", docstring) is not None
+    )
+
+
 @pytest.mark.parametrize("module", MODULES)
 def test_a_module_builds_on_another_only_where_its_docstring_says_so(module):
-    path = PACKAGE / f"{module}.py"
-    others = sorted(package_imports(path) - HELPERS)
+    path = module_path(module)
+    others = sorted(builds_on(module))
     docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
     if others:
         assert "builds on" in docstring, (
             f"{module} imports {others} but its docstring says not what it builds on"
         )
-        unnamed = [name for name in others if f"torchbook.{name}" not in docstring]
+        unnamed = [name for name in others if not names_module(docstring, name)]
         assert not unnamed, (
             f"{module}'s docstring does not name torchbook.{unnamed[0]}, "
             "which it imports"
         )
 
 
-def test_the_package_docstring_lists_every_module():
-    import torchbook
+@pytest.mark.parametrize("path", FILES, ids=lambda path: module_name(path) or "init")
+def test_nothing_outside_book_imports_the_books_machinery(path):
+    name = module_name(path)
+    if name == BOOK or name.startswith(BOOK + "."):
+        return
+    imported = sorted(
+        other
+        for other in package_imports(path)
+        if other == BOOK or other.startswith(BOOK + ".")
+    )
+    assert not imported, f"torchbook.{name} imports torchbook.{imported[0]}"
 
-    unlisted = [
-        module for module in MODULES if f"``{module}``" not in (torchbook.__doc__ or "")
-    ]
-    assert not unlisted, f"torchbook/__init__.py does not describe {unlisted}"
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module's imports, the ``__init__.py`` Python runs before it included."""
+    graph = {}
+    for path in FILES:
+        name = module_name(path)
+        if name:
+            graph[name] = package_imports(path) | parents(name)
+    return graph
+
+
+def test_no_two_modules_import_each_other_even_through_others():
+    graph = import_graph()
+    done, on_path = set(), []
+
+    def visit(name: str) -> None:
+        if name in on_path:
+            cycle = [*on_path[on_path.index(name) :], name]
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+        if name in done:
+            return
+        on_path.append(name)
+        for other in sorted(graph.get(name, ())):
+            visit(other)
+        on_path.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+def test_the_cycle_check_finds_a_cycle(monkeypatch):
+    # The check above must be able to fail: two modules that import each other.
+    monkeypatch.setattr(
+        sys.modules[__name__],
+        "import_graph",
+        lambda: {"memory": {"memory.calculator"}, "memory.calculator": {"memory"}},
+    )
+    with pytest.raises(AssertionError, match="import cycle: memory -> "):
+        test_no_two_modules_import_each_other_even_through_others()
 
 
 # A module a reader can read in one sitting; ruff's formatter (make test) keeps the
@@ -69,14 +167,15 @@ def test_the_package_docstring_lists_every_module():
 MAX_MODULE_LINES = 500
 
 
-@pytest.mark.parametrize("module", MODULES)
-def test_a_module_stays_within_the_lines_a_reader_reads_at_once(module):
-    lines = len((PACKAGE / f"{module}.py").read_text().splitlines())
-    assert lines <= MAX_MODULE_LINES, f"torchbook/{module}.py has {lines} lines"
+@pytest.mark.parametrize("path", FILES, ids=lambda path: module_name(path) or "init")
+def test_a_module_stays_within_the_lines_a_reader_reads_at_once(path):
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_MODULE_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines"
 
 
 def declared_closure(module: str) -> set[str]:
-    """``module``, the modules it builds on, transitively, and the helpers they import.
+    """``module``, what it builds on, transitively, the helpers they import and the
+    folders' ``__init__.py`` Python runs first.
 
     What a module builds on is what its docstring declares.
     """
@@ -86,10 +185,11 @@ def declared_closure(module: str) -> set[str]:
         if name in needed:
             continue
         needed.add(name)
-        path = PACKAGE / f"{name}.py"
+        path = module_path(name)
         docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
-        declared = {other for other in MODULES if f"torchbook.{other}" in docstring}
-        todo.extend((declared | (package_imports(path) & HELPERS)) - needed)
+        declared = {other for other in MODULES if names_module(docstring, other)}
+        helpers = package_imports(path) & HELPERS
+        todo.extend((declared | helpers | parents(name)) - needed)
     return needed
 
 
@@ -134,9 +234,9 @@ def copy_errors(tmp_path_factory) -> dict[str, str]:
         copied.mkdir()
         (copied / "__init__.py").write_text("", encoding="utf-8")
         for name in declared_closure(module):
-            (copied / f"{name}.py").write_text(
-                (PACKAGE / f"{name}.py").read_text(encoding="utf-8"), encoding="utf-8"
-            )
+            target = copied / module_path(name).relative_to(PACKAGE)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(module_path(name).read_text(encoding="utf-8"))
         folders[module] = str(project)
     result = subprocess.run(
         [sys.executable, "-c", PROBE, json.dumps(folders)],
@@ -159,34 +259,43 @@ def test_a_module_copied_with_what_it_declares_imports_without_the_package(
     )
 
 
+GUIDES = (PACKAGE / "__init__.py", PACKAGE / BOOK / "__init__.py")
+
+
 def package_guide() -> dict[str, set[str]]:
-    """What ``torchbook/__init__.py`` says each module builds on, by its bullet.
+    """What the guides say each module builds on, by its bullet.
 
-    A bullet reads ``- ``name``: what it does (builds on ``a``, ``b`` and ``c``).``;
-    a bullet without "builds on" declares nothing.
+    The guides are the docstrings of ``torchbook/__init__.py`` (what readers copy,
+    and the memory family) and ``torchbook/book/__init__.py`` (the book's
+    machinery). A bullet reads ``- ``name``: what it does (builds on ``a`` and
+    ``b``).``, names relative to the package; without "builds on" it declares
+    nothing.
     """
-    import re
-
-    import torchbook
-
     guide = {}
-    for bullet in re.split(r"\n- ", torchbook.__doc__ or "")[1:]:
-        name = re.match(r"``(\w+)``", bullet)
-        if name is None:
-            continue
-        bullet = " ".join(bullet.split())  # "builds on" may break across lines
-        declared = bullet.split("builds on", 1)[1] if "builds on" in bullet else ""
-        guide[name.group(1)] = set(re.findall(r"``(\w+)``", declared)) & set(MODULES)
+    for path in GUIDES:
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        for bullet in re.split(r"\n- ", docstring or "")[1:]:
+            name = re.match(r"``([\w.]+)``", bullet)
+            if name is None:
+                continue
+            bullet = " ".join(bullet.split())  # "builds on" may break across lines
+            declared = bullet.split("builds on", 1)[1] if "builds on" in bullet else ""
+            guide[name.group(1)] = set(re.findall(r"``([\w.]+)``", declared))
     return guide
+
+
+def test_the_guides_list_every_module():
+    guide = package_guide()
+    unlisted = [module for module in MODULES if module not in guide]
+    assert not unlisted, f"no guide (torchbook/__init__.py, book/) lists {unlisted}"
 
 
 @pytest.mark.parametrize("module", MODULES)
 def test_the_package_guide_names_what_each_module_imports(module):
     # A reader copies a module with what the guide names: it must be exactly what the
-    # module imports from the package, besides the three helpers.
-    imported = package_imports(PACKAGE / f"{module}.py") - HELPERS
+    # module imports from the package, besides the two helpers.
     declared = package_guide().get(module, set()) - HELPERS
-    assert declared == imported, (
-        f"torchbook/__init__.py says {module} builds on {sorted(declared)}; "
-        f"it imports {sorted(imported)}"
+    assert declared == builds_on(module), (
+        f"the guide says {module} builds on {sorted(declared)}; "
+        f"it imports {sorted(builds_on(module))}"
     )

@@ -12,7 +12,7 @@ matplotlib.use("Agg")  # no display: draw into memory
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from torchbook.plotting import plot_diagnostics, plot_history  # noqa: E402
+from torchbook.book.plotting import plot_diagnostics, plot_history  # noqa: E402
 
 HISTORY = [
     {"step": 10, "loss": 3.0},
@@ -149,7 +149,7 @@ def test_diagnostics_refuse_an_empty_history(close_figures):
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from torchbook.diagrams import (  # noqa: E402
+from torchbook.book.diagrams import (  # noqa: E402
     BUFFER_COLOUR,
     PARAMETER_COLOUR,
     SAVED_BUFFER_COLOUR,

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from torchbook import profiles as profile
+from torchbook.book import profiles as profile
 from torchbook.device import timed
 
 

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchbook.charlm import load_corpus
-from torchbook.device import hardware_name
-from torchbook.plotting import plot_history
-from torchbook.profiles import LabSizes
-from torchbook.results import (
+from torchbook.book.charlm import load_corpus
+from torchbook.book.plotting import plot_history
+from torchbook.book.profiles import LabSizes
+from torchbook.book.results import (
     ResultsError,
     find_results,
     history_rows,
@@ -29,6 +28,7 @@ from torchbook.results import (
     stale_sources,
     write_result,
 )
+from torchbook.device import hardware_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,7 +167,7 @@ def test_a_deleted_source_makes_the_result_stale(tmp_path, sources):
 @pytest.mark.parametrize(
     ("content", "expected"),
     [
-        (b'{"format": "torchbook.results", "vers', "not valid JSON"),
+        (b'{"format": "torchbook.book.results", "vers', "not valid JSON"),
         (b"\xff\xfe not utf-8", "not UTF-8"),
         (b'{"model.embed.weight": [1, 2]}', "not a results file of this book"),
         (b"[1, 2, 3]", "expected a JSON object"),
@@ -364,11 +364,13 @@ def imported_by(statement: str) -> set[str]:
         check=True,
     )
     names = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()]
-    return {
-        f"code/torchbook/{name.split('.')[1]}.py"
-        for name in names
-        if name.startswith("torchbook.")
-    }
+    paths = set()
+    for name in names:
+        if name.startswith("torchbook."):
+            path = Path("code", *name.split("."))
+            is_package = (ROOT / path / "__init__.py").is_file()
+            paths.add(path / "__init__.py" if is_package else path.with_suffix(".py"))
+    return {path.as_posix() for path in paths}
 
 
 def imported_inside_functions(paths: set[str]) -> set[str]:
@@ -385,11 +387,11 @@ def imported_inside_functions(paths: set[str]) -> set[str]:
     return {name for name in names if name.startswith("torchbook.")}
 
 
-@pytest.mark.parametrize("module", ["torchbook.charlm", "torchbook.dry_run"])
+@pytest.mark.parametrize("module", ["torchbook.book.charlm", "torchbook.book.dry_run"])
 def test_the_import_closure_is_what_python_imports_and_what_functions_may(module):
     # Python's own record, from a fresh interpreter, against the files' import lines:
     # nothing it imports is missing; beyond it, the closure holds only what a function
-    # imports when called (memory.main's calculator, say), which a run may call.
+    # imports when called (a function's own import), which a run may call.
     closure = set(import_closure([module], ROOT))
     imported = imported_by(f"import {module}")
     assert imported <= closure
@@ -407,14 +409,14 @@ def helper_that_loads() -> None:
 
 
 def sized(sizes: LabSizes) -> None:
-    """A run function whose sizes come from torchbook.profiles, by its type."""
+    """A run function whose sizes come from torchbook.book.profiles, by its type."""
 
 
 def test_a_runs_modules_are_found_through_its_helpers_and_its_parameter_types():
     assert referenced_modules(uses_the_corpus_through_a_helper, "torchbook") == {
-        "torchbook.charlm"
+        "torchbook.book.charlm"
     }
-    assert referenced_modules(sized, "torchbook") == {"torchbook.profiles"}
+    assert referenced_modules(sized, "torchbook") == {"torchbook.book.profiles"}
 
 
 def test_a_runs_sources_are_its_script_and_what_its_modules_import():
@@ -422,5 +424,5 @@ def test_a_runs_sources_are_its_script_and_what_its_modules_import():
         uses_the_corpus_through_a_helper, "tests/test_results.py", ROOT
     )
     assert sources == sorted(
-        {"tests/test_results.py", *imported_by("import torchbook.charlm")}
+        {"tests/test_results.py", *imported_by("import torchbook.book.charlm")}
     )

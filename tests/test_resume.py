@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from torchbook import checkpoint as ckpt
+from torchbook.book.download import shakespeare_path
 from torchbook.data import StreamConfig, TokenStream
-from torchbook.download import shakespeare_path
 from torchbook.files import is_temporary
 from torchbook.models import GPT, GPTConfig
 from torchbook.shards import write_shard

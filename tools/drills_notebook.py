@@ -10,7 +10,7 @@ Each drill is a task, what to leave behind, a ``# TODO`` cell and a
 The source is refused, naming the line, if it holds what a notebook cannot
 show or must not give away: Quarto syntax (inline ``{python}`` values,
 ``:::`` divs, ``@sec-`` references, ``{#sec-`` anchors) or an import of
-``torchbook.lab``, where the chapter's shared code lives; and if a drill lacks
+``torchbook.book.lab``, where the chapter's shared code lives; and if a drill lacks
 its TODO or its check cell.
 
 Usage, from the project root (Quarto runs it as a pre-render script, so the
@@ -51,7 +51,7 @@ FORBIDDEN = {
     ":::": "a Quarto div",
     "@sec-": "a Quarto cross-reference",
     "{#sec-": "a Quarto section anchor",
-    "torchbook.lab": "an import of the chapter's lab code",
+    "torchbook.book.lab": "an import of the chapter's lab code",
 }
 
 

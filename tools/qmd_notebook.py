@@ -91,7 +91,7 @@ if importlib.util.find_spec("torchbook") is None:
     )
 
 import torchbook
-from torchbook.download import cache_dir, data_dir
+from torchbook.book.download import cache_dir, data_dir
 
 print(f"torchbook: {Path(torchbook.__file__).parent}")
 print(f"data sets: {data_dir()}")

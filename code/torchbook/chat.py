@@ -19,8 +19,6 @@ Two ways to batch examples of different lengths:
   document_ids=...)``) computes each example exactly as if it were alone.
   Concatenating examples and cutting fixed blocks wastes no position either,
   but without such a mask attention crosses from one conversation into the next.
-
-It builds on ``torchbook.train`` for ``IGNORE_INDEX``, the label the loss skips.
 """
 
 from __future__ import annotations
@@ -30,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from torchbook.train import IGNORE_INDEX  # -100, cross_entropy's default ignore_index
-
+# The label the loss skips: cross_entropy's default ignore_index. A prompt token, a pad
+# and a packed document's last token get it; the training loop imports it from here.
+IGNORE_INDEX = -100
 ROLES = ("user", "assistant")
 
 

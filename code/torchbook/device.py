@@ -3,7 +3,7 @@
 And the hardware named in words, for a timing or a provenance record.
 
 A small module on purpose: the training loop and the measurements import it
-without the profiles and their run sizes (``torchbook.profiles`` builds on it).
+without the profiles and their run sizes (``torchbook.book.profiles`` builds on it).
 """
 
 from __future__ import annotations

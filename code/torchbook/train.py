@@ -10,7 +10,8 @@ sync) every ``log_every`` steps. A NaN or inf gradient norm is recorded on the d
 
 **The step is the API**: ``Trainer.train_step(micro_batches)``, called by each script in
 a short loop of its own that seeds the random numbers. It builds on
-``torchbook.device``, ``torchbook.optim`` and ``torchbook.state_dicts``.
+``torchbook.device``, ``torchbook.optim``, ``torchbook.state_dicts`` and
+``torchbook.chat`` (for ``IGNORE_INDEX``, the label the loss skips).
 
 **Distributed.** With more than one rank the model must be DDP or FSDP2, which *average*
 gradients: the step all-reduces the token count, scales each loss by the world size (the
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from torchbook.chat import IGNORE_INDEX  # targets not scored: padding, prompts
 from torchbook.device import AUTOCAST_DTYPES, autocast
 from torchbook.optim import (
     OptimizerConfig,
@@ -46,8 +48,6 @@ from torchbook.optim import (
 )
 from torchbook.state_dicts import state_dict_problems, unwrap_model
 
-# Targets equal to this are not scored (padding, prompts): cross_entropy's default.
-IGNORE_INDEX = -100
 Batch = tuple[Tensor, Tensor]  # (inputs, targets)
 # fp16 steps the scaler may skip in a row: from its initial 2**16 the scale is then
 # 2**-8, and gradients that still overflow come from a forward pass that does.

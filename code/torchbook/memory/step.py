@@ -3,7 +3,7 @@
 ``torchbook.memory`` counts the book's GPT; this module counts the models
 readers fine-tune, as transformers implements them (``LlamaForCausalLM`` and
 its relatives, ``GPT2LMHeadModel``), from an ``Architecture`` of
-``torchbook.memory_configs``. A step is forward, loss, backward and the
+``torchbook.memory.configs``. A step is forward, loss, backward and the
 optimizer's step, as transformers' ``Trainer`` runs it: the loss is kept, the
 logits are not, the forward runs with ``use_cache=False`` and ``zero_grad``
 sets the gradients to None. ``Setup`` says how it runs and refuses what is
@@ -26,9 +26,9 @@ Attention is counted for SDPA's fused kernels, which keep one float32
 logsumexp per query and head instead of the (T, T) scores; with attention
 dropout the CPU falls back to the math path, which keeps three (T, T) tensors
 per head. ``device_type`` chooses the CPU's operations, which the fake-tensor
-runs of ``torchbook.memory_check`` execute, or CUDA's, which only the formula
-covers. ``torchbook.memory_calculator`` turns these into the step's peak. It
-builds on ``torchbook.memory_configs``; it imports no torch.
+runs of ``torchbook.memory.check`` execute, or CUDA's, which only the formula
+covers. ``torchbook.memory.calculator`` turns these into the step's peak. It
+builds on ``torchbook.memory.configs``; it imports no torch.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torchbook.memory_configs import Architecture, Projection
+from torchbook.memory.configs import Architecture, Projection
 
 PRECISIONS = ("bf16-autocast", "fp32", "bf16-pure", "bf16-master")
 OPTIMIZERS = ("adamw", "adamw-foreach", "sgd", "none")  # adamw: fused

@@ -1,4 +1,4 @@
-"""code/torchbook/pretrained.py: the stand-in is a hub-style folder, and it learned."""
+"""code/torchbook/book/stand_in.py: a hub-style folder, and it learned."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
+from torchbook.book.profiles import PretrainedSizes
+from torchbook.book.stand_in import make_stand_in
 from torchbook.hf_checkpoint import load_pretrained
-from torchbook.pretrained import make_stand_in
-from torchbook.profiles import PretrainedSizes
 from torchbook.tokenizer import train_bpe
 
 TEXT = (

@@ -1,6 +1,6 @@
 """The calculator checked against the real implementation, on fake tensors.
 
-``torchbook.memory_step`` predicts a step's peak from a formula. This module
+``torchbook.memory.step`` predicts a step's peak from a formula. This module
 runs the step itself: transformers' own model (``AutoModelForCausalLM`` built
 from the config, as ``from_pretrained`` would build it), peft's LoRA model,
 or FSDP2's sharded model, one forward, loss, backward and optimizer step,
@@ -17,8 +17,8 @@ fake run sees: memory a kernel allocates inside itself (scratch buffers that
 no operation returns) and everything outside the step's tensors (CUDA
 context, workspaces, the allocator's cached blocks).
 
-It builds on ``torchbook.memory_configs`` (the architecture),
-``torchbook.memory_step`` (the setup) and ``torchbook.recompute`` (the
+It builds on ``torchbook.memory.configs`` (the architecture),
+``torchbook.memory.step`` (the setup) and ``torchbook.recompute`` (the
 selective checkpointing policy).
 """
 
@@ -36,8 +36,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from torchbook.memory_configs import Architecture, hf_config
-from torchbook.memory_step import Setup, check_setup, lora_targets
+from torchbook.memory.configs import Architecture, hf_config
+from torchbook.memory.step import Setup, check_setup, lora_targets
 from torchbook.recompute import keep_matmuls
 
 DEVICE = torch.device("cpu")  # fake CUDA tensors need a CUDA driver

@@ -7,7 +7,7 @@ the likely cause. ``check(N, globals())`` is what the notebook's check cells
 call: it looks up the names drill N's checker takes, says which are still
 missing, and prints the verdict instead of raising, so "Run All" reaches the end.
 
-It builds on ``torchbook.lab``: its evaluation, its count of the epochs a
+It builds on ``torchbook.book.lab``: its evaluation, its count of the epochs a
 generator shuffled, and drill 4's compared steps, repeated the big-batch way.
 """
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import get_total_norm
 
-from torchbook.lab import COMPARED_LR, compared_steps, epochs_shuffled, eval_logits
+from torchbook.book.lab import COMPARED_LR, compared_steps, epochs_shuffled, eval_logits
 
 TARGET_ACCURACY = 0.97
 MAX_EPOCHS = 3

@@ -2,10 +2,9 @@
 
 It builds on ``torchbook.models`` (``GPTConfig`` and the ``GPT`` whose saved
 tensors the formula counts, one by one), reading only a config's sizes, so it
-imports no torch. ``torchbook.memory_measure`` measures the same quantities
-without any formula, and ``torchbook.gpu_fit`` predicts the book's own GPU
-runs. ``python -m torchbook.memory --help`` runs the calculator,
-``torchbook.memory_calculator``, on this GPT or on a Hugging Face config.
+imports no torch. ``torchbook.memory.measure`` measures the same quantities
+without any formula. ``python -m torchbook.memory --help`` runs the calculator,
+``torchbook.memory.calculator``, on this GPT or on a Hugging Face config.
 
 Training memory has four kinds (Rajbhandari et al. 2020, "ZeRO"):
 
@@ -36,7 +35,6 @@ attention dropout is on; CUDA's fused kernels handle dropout themselves.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,11 +46,6 @@ if TYPE_CHECKING:  # the formula reads a config's sizes; it needs no torch
 # out so that the calculator answers without importing torch, which takes seconds.
 AUTOCAST_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MLP_EXPANSION = 4
-GPU_BYTES = 80 * 10**9  # the GPUs readers rent: A100 / H100 with 80 GB
-# A run "fits" when its predicted peak is at most half of the GPU: the rest is for the
-# CUDA context, cuBLAS workspaces, the caching allocator's fragmentation and
-# torch.compile's buffers.
-FIT_SHARE = 0.5
 FP32 = 4  # bytes of a float32: weights, gradients, Adam moments, LayerNorm inputs
 INDEX = 8  # bytes of an int64 token id (the input ids, and the targets)
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -382,17 +375,3 @@ def kv_cache_bytes(
         raise ValueError(f"kv_heads={kv_heads} must divide n_head={config.n_head}")
     per_token = 2 * config.n_layer * kv_heads * config.head_size * element_bytes
     return per_token * batch_size * seq_len
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The calculator (``torchbook.memory_calculator``): ``python -m torchbook.memory``.
-
-    Imported here, when called: the calculator builds on this module.
-    """
-    from torchbook.memory_calculator import main as calculator
-
-    return calculator(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -31,11 +31,11 @@ backward pass fails in the autograd engine. So the fake step takes the CPU's
 paths: its autocast lists and its attention kernels (with dropout, the math
 path).
 
-It builds on ``torchbook.charlm`` (chapter 3's configs), ``torchbook.models``,
-``torchbook.train``, ``torchbook.lab`` (the MLP and its epoch),
-``torchbook.memory`` and ``torchbook.gpu_fit`` (the formulas),
-``torchbook.memory_measure`` (chapter 7's training step) and
-``torchbook.profiles`` (the gpu sizes).
+It builds on ``torchbook.book.charlm`` (chapter 3's configs), ``torchbook.models``,
+``torchbook.train``, ``torchbook.book.lab`` (the MLP and its epoch),
+``torchbook.memory`` and ``torchbook.book.gpu_fit`` (the formulas),
+``torchbook.memory.measure`` (chapter 7's training step) and
+``torchbook.book.profiles`` (the gpu sizes).
 """
 
 from __future__ import annotations
@@ -62,13 +62,13 @@ from torch._subclasses.fake_tensor import (
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torchbook import lab
-from torchbook.charlm import model_config, train_config
-from torchbook.gpu_fit import mlp_peak
+from torchbook.book import lab
+from torchbook.book.charlm import model_config, train_config
+from torchbook.book.gpu_fit import mlp_peak
+from torchbook.book.profiles import Profile
 from torchbook.memory import TrainingShape, predict_peak
-from torchbook.memory_measure import training_step
+from torchbook.memory.measure import training_step
 from torchbook.models import GPT, GPTConfig
-from torchbook.profiles import Profile
 from torchbook.train import Trainer
 
 # The fake tensors' device: fake CUDA needs a CUDA driver (see above).
@@ -232,7 +232,7 @@ class FakeRun(FakeTensorMode):
     def peak_bytes(self, step: Callable[[], object]) -> int:
         """Most bytes of fake tensors ``step()`` adds at once to those alive before.
 
-        ``memory_measure.peak_bytes`` for a fake run: what it measures with the
+        ``memory.measure.peak_bytes`` for a fake run: what it measures with the
         allocator's records.
         """
         before = self.live

@@ -1,16 +1,16 @@
 """The memory calculator: ``python -m torchbook.memory --config config.json``.
 
 A reader's question is "does my fine-tuning run fit?". ``main`` reads a
-Hugging Face ``config.json`` (``torchbook.memory_configs``; without one, the
+Hugging Face ``config.json`` (``torchbook.memory.configs``; without one, the
 book's GPT, counted by ``torchbook.memory``), flags for the step (batch per
 micro-batch, sequence, precision, optimizer, what trains, checkpointing, a
 chunked loss, data parallelism), and prints each kind of memory per rank in
-bytes and GB, the peak of the step (``torchbook.memory_peak``), whether it
+bytes and GB, the peak of the step (``torchbook.memory.peak``), whether it
 fits a GPU, what no prediction here counts, and the assumptions in words; or
 ``--json``. Meaningless combinations (``--ranks 8`` without a ``--parallel``)
 are refused by name. It builds on ``torchbook.memory``,
-``torchbook.memory_configs``, ``torchbook.memory_step`` and
-``torchbook.memory_peak``; it imports no torch, so it answers at once.
+``torchbook.memory.configs``, ``torchbook.memory.step`` and
+``torchbook.memory.peak``; it imports no torch, so it answers at once.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from torchbook.memory import (
     predict_peak,
 )
 from torchbook.memory import activation_terms as gpt_activation_terms
-from torchbook.memory_configs import (
+from torchbook.memory.configs import (
     OVERRIDES,
     Architecture,
     architecture,
     read_config,
     with_overrides,
 )
-from torchbook.memory_peak import predict
-from torchbook.memory_step import (
+from torchbook.memory.peak import predict
+from torchbook.memory.step import (
     CHECKPOINTING,
     DEVICES,
     OPTIMIZERS,
@@ -208,7 +208,7 @@ def assumptions(
     if book:
         lines.append(f"the {loop} loop (torchbook.memory)")
     kernel = (
-        "the CPU's kernels, as torchbook.memory_check runs them"
+        "the CPU's kernels, as torchbook.memory.check runs them"
         if setup.device_type == "cpu"
         else "CUDA's fused SDPA kernels: formula only, unmeasured on a GPU"
     )
@@ -218,9 +218,9 @@ def assumptions(
     checked = setup.device_type == "cpu" and setup.parallel in ("none", "fsdp")
     if not book:
         lines.append(
-            "checked by a fake-tensor run of this setup (torchbook.memory_check)"
+            "checked by a fake-tensor run of this setup (torchbook.memory.check)"
             if checked
-            else "not run by torchbook.memory_check: formula only"
+            else "not run by torchbook.memory.check: formula only"
         )
     return lines
 
@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kernels": (
             DEVICES,
             "CUDA's operations (formula only) or the CPU's, which "
-            "torchbook.memory_check runs",
+            "torchbook.memory.check runs",
         ),
     }
     for flag, (allowed, meaning) in choices.items():

@@ -8,7 +8,7 @@ resident and indexing a shuffled permutation makes an epoch a handful of
 tensor ops.
 
 Both read only the four published files in ``<root>/MNIST/raw`` (pass
-``torchbook.download.mnist_root()``, which checks their SHA-256 first). Unlike
+``torchbook.book.download.mnist_root()``, which checks their SHA-256 first). Unlike
 ``torchvision.datasets.MNIST``, nothing here looks at ``MNIST/processed/``: a
 pickled ``training.pt`` found there has been verified by nobody, so it is
 never read. A raw file whose header or size is not MNIST's is refused with an

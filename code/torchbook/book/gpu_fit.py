@@ -1,20 +1,26 @@
 """Will the book's GPU runs fit? Each run's peak predicted at the gpu profile's sizes.
 
 No GPU is needed to ask: ``torchbook.memory`` predicts from the shapes that
-``torchbook.profiles`` gives the gpu profile. Chapter 7 prints ``fit_table``.
+``torchbook.book.profiles`` gives the gpu profile. Chapter 7 prints ``fit_table``.
 It builds on ``torchbook.memory`` (the prediction), ``torchbook.models``
-(``GPTConfig``) and ``torchbook.charlm`` (chapter 3's model, configured once).
+(``GPTConfig``), ``torchbook.book.profiles`` (the sizes) and
+``torchbook.book.charlm`` (chapter 3's model, configured once).
 """
 
 from __future__ import annotations
 
 from itertools import pairwise
 
-from torchbook.charlm import model_config
-from torchbook.memory import FP32, GPU_BYTES, TrainingShape, predict_peak
+from torchbook.book.charlm import model_config
+from torchbook.book.profiles import gpu_sizes, make_profile
+from torchbook.memory import FP32, TrainingShape, predict_peak
 from torchbook.models import GPTConfig
-from torchbook.profiles import gpu_sizes, make_profile
 
+GPU_BYTES = 80 * 10**9  # the GPUs readers rent: A100 / H100 with 80 GB
+# A run "fits" when its predicted peak is at most half of the GPU: the rest is for the
+# CUDA context, cuBLAS workspaces, the caching allocator's fragmentation and
+# torch.compile's buffers.
+FIT_SHARE = 0.5
 CHAR_VOCAB = 256  # character-level models: at most 256 symbols (Tiny Shakespeare: 65)
 
 

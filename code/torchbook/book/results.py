@@ -42,7 +42,7 @@ import torch
 from torchbook.device import hardware_name
 from torchbook.files import atomic_write_text
 
-RESULTS_FORMAT = "torchbook.results"
+RESULTS_FORMAT = "torchbook.book.results"
 RESULTS_VERSION = 1
 PROVENANCE_FIELDS = {
     "device": str,  # "cuda", "mps" or "cpu"
@@ -108,20 +108,32 @@ def import_closure(
 
     Read from each file's ``import`` statements (those inside functions too, so
     a module counts if the run might import it); paths relative to ``root``.
+    Importing ``torchbook.memory.step`` runs ``torchbook/memory/__init__.py``
+    first, so a sub-package's ``__init__.py`` counts with each of its modules.
+    The package's own ``__init__.py`` holds only its guide, and is left out.
     """
     folder = Path(importlib.util.find_spec(package).origin).parent
 
-    def path_of(name: str) -> Path | None:  # "torchbook.train" -> .../train.py
+    def path_of(name: str) -> Path | None:  # "torchbook.memory.step" -> .../step.py
         head, _, rest = name.partition(".")
-        path = folder.joinpath(*rest.split(".")).with_suffix(".py")
-        return path if head == package and rest and path.is_file() else None
+        if head != package or not rest:
+            return None
+        path = folder.joinpath(*rest.split("."))
+        for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+        return None
 
     pending, found = list(modules), set()
     while pending:
-        path = path_of(pending.pop())
+        name = pending.pop()
+        path = path_of(name)
         if path is None or path in found:
             continue
         found.add(path)
+        parent = name.rpartition(".")[0]
+        if parent != package:  # a sub-package's __init__.py runs before its modules
+            pending.append(parent)
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 pending += [alias.name for alias in node.names]

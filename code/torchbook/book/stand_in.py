@@ -9,10 +9,10 @@ writes shards and their index as hub checkpoints have them, and the tokenizer
 beside them. Everything in the folder comes from transformers, not from the
 book's Llama, so loading it into the book's module is a real check.
 
-Its sizes are ``torchbook.profiles.PretrainedSizes`` (``profile.pretrained``).
+Its sizes are ``torchbook.book.profiles.PretrainedSizes`` (``profile.pretrained``).
 
 It builds on ``torchbook.hf`` (the tokenizer as transformers takes it) and
-``torchbook.tokenizer``.
+``torchbook.tokenizer``, and ``torchbook.book.profiles`` for its sizes.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch.nn.functional as F
 import transformers
 from tokenizers import Tokenizer
 
+from torchbook.book.profiles import PretrainedSizes
 from torchbook.device import autocast
 from torchbook.hf import hf_tokenizer
-from torchbook.profiles import PretrainedSizes
 from torchbook.tokenizer import END_OF_TEXT, PAD
 
 

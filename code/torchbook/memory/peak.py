@@ -1,6 +1,6 @@
 """The peak of a transformers model's training step, predicted per rank.
 
-``torchbook.memory_step`` counts what a transformers model's step stores;
+``torchbook.memory.step`` counts what a transformers model's step stores;
 ``predict`` finds when the step holds the most. Besides the parameters, the
 optimizer's states (and DDP's buckets, and FSDP2's gathered root), the
 candidates are:
@@ -23,9 +23,9 @@ candidates are:
   the size of the parameters, as PyTorch's documentation says).
 
 Each was checked against a fake-tensor run of transformers' model
-(``torchbook.memory_check``), on the CPU's kernels. ``python -m
-torchbook.memory`` (``torchbook.memory_calculator``) prints it. It builds on
-``torchbook.memory_configs`` and ``torchbook.memory_step``; it imports no
+(``torchbook.memory.check``), on the CPU's kernels. ``python -m
+torchbook.memory`` (``torchbook.memory.calculator``) prints it. It builds on
+``torchbook.memory.configs`` and ``torchbook.memory.step``; it imports no
 torch.
 """
 
@@ -34,8 +34,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torchbook.memory_configs import Architecture
-from torchbook.memory_step import (
+from torchbook.memory.configs import Architecture
+from torchbook.memory.step import (
     ADAPTER,
     FP32,
     Setup,

@@ -8,9 +8,10 @@ second half runs the same drills as functions (``run_drills``), which
 ``examples/gpu_results.py`` calls at the gpu profile's sizes and
 ``bench/mnist_lab.py`` times against a bare loop.
 
-It builds on ``torchbook.mnist`` (reading the verified raw files),
-``torchbook.download`` (where those files are) and ``torchbook.optim`` (the
-book's AdamW and schedule, which the drills train with).
+It builds on ``torchbook.book.mnist`` (reading the verified raw files),
+``torchbook.book.download`` (where those files are) and ``torchbook.optim`` (the
+book's AdamW and schedule, which the drills train with) and
+``torchbook.book.profiles`` (the sizes).
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from torchbook.book.download import mnist_root
+from torchbook.book.mnist import resident_batches, resident_mnist
+from torchbook.book.profiles import LabSizes, Profile
 from torchbook.device import autocast, timed
-from torchbook.download import mnist_root
 from torchbook.files import atomic_write
-from torchbook.mnist import resident_batches, resident_mnist
 from torchbook.optim import OptimizerConfig, build_optimizer, build_schedule
-from torchbook.profiles import LabSizes, Profile
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler
 # Drill 4 compares its two ways step by step with plain AdamW at this constant rate.

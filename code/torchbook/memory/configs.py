@@ -196,7 +196,7 @@ def family_of(config: Mapping[str, Any], source: str = "config") -> str:
             f"{source}: model_type {model_type!r} is not one the calculator knows; "
             f"known: {', '.join(FAMILIES)} (and the book's GPTConfig and LlamaConfig "
             "fields). For another architecture, run its training step on fake "
-            "tensors instead (torchbook.dry_run.fake_peak_bytes)"
+            "tensors instead (torchbook.book.dry_run.fake_peak_bytes)"
         )
     return model_type
 

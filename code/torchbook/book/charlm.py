@@ -12,7 +12,8 @@ seeded generator, every start from 0 to ``len - block_size - 1`` equally likely
 one); validation uses fixed windows from its own seed, so
 every evaluation scores the same text.
 
-It builds on ``torchbook.models`` (the GPT) and ``torchbook.train`` (the ``Trainer``);
+It builds on ``torchbook.models`` (the GPT), ``torchbook.train`` (the ``Trainer``)
+and ``torchbook.book.profiles`` (the sizes);
 the precision is one of ``torchbook.device.AUTOCAST_DTYPES``'s keys.
 """
 
@@ -26,9 +27,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from torchbook.book.profiles import LanguageModelSizes
 from torchbook.device import synchronize
 from torchbook.models import GPT, GPTConfig
-from torchbook.profiles import LanguageModelSizes
 from torchbook.train import TrainConfig, Trainer
 
 VALIDATION_FRACTION = 0.1  # the last 10% of the text
@@ -143,7 +144,7 @@ def build(
     """The GPT and its Trainer at ``sizes`` in ``precision``; weights from ``seed``.
 
     The one place chapter 3's configs are made: the GPU dry run and the fit
-    table (``torchbook.dry_run``, ``torchbook.gpu_fit``) use the same two.
+    table (``torchbook.book.dry_run``, ``torchbook.book.gpu_fit``) use the same two.
     """
     torch.manual_seed(seed)
     model = GPT(model_config(len(corpus.vocabulary), sizes)).to(device)

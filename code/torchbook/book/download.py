@@ -12,7 +12,7 @@ Two folders, two rules:
   repository) receives everything derived from the data: token shards,
   tokenizers, checkpoints, figures. It is never inside ``BOOK_DATA_DIR``.
 
-Run ``python -m torchbook.download`` to fetch (or check) everything up front.
+Run ``python -m torchbook.book.download`` to fetch (or check) everything up front.
 """
 
 from __future__ import annotations
