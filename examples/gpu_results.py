@@ -252,7 +252,7 @@ def run_compile(
     return path
 
 
-# ----- the lab: chapter 9's seven drills at the profile's sizes -----
+# ----- the lab: chapter 10's seven drills at the profile's sizes -----
 
 
 def run_lab(

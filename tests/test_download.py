@@ -178,3 +178,11 @@ def test_missing_data_dir_is_named(tmp_path, monkeypatch):
 def test_verifying_a_missing_file_names_it(tmp_path):
     with pytest.raises(download.DataError, match=r"nothing\.gz: missing"):
         download.verify(tmp_path / "nothing.gz", "0" * 64)
+
+
+def test_the_repository_root_of_the_checkout_is_the_folder_of_its_examples():
+    # Not the working directory: a chapter runs in chapters/, and its jobs must still
+    # find examples/ (the module moved one folder down once, and this went unnoticed).
+    root = download.repository_root()
+    assert root == Path(__file__).resolve().parents[1]
+    assert (root / "examples" / "train_ddp.py").is_file()

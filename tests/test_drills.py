@@ -3,7 +3,7 @@
 The notebook is executed here cell by cell in one namespace, as "Run All"
 would: once with every TODO cell empty (each check cell must say what is
 missing, and nothing may crash), once with answers written below, from
-scratch rather than copied from chapter 9 (every checker must pass). Then
+scratch rather than copied from chapter 10 (every checker must pass). Then
 each checker is given plausible wrong answers and must fail with a message
 that names the mistake.
 """
@@ -34,7 +34,7 @@ DRILLS = range(1, 8)
 
 # Correct answers, one per TODO cell. Drill 2 compiles with backend="eager": the checker
 # judges what torch.compile returns, whatever the backend, and inductor's cold
-# compilation would add half a minute to the suite (chapter 9 compiles with inductor).
+# compilation would add half a minute to the suite (chapter 10 compiles with inductor).
 ANSWERS = {
     1: """
 seed, batch_size = 0, 128
@@ -254,7 +254,7 @@ def test_command_writes_the_notebook_it_is_given(tmp_path):
 
 def test_the_chapter_links_the_file_the_pre_render_step_writes():
     """The link resolves only if the file is in the source tree when Quarto renders."""
-    chapter = ROOT / "chapters" / "09-lab.qmd"
+    chapter = ROOT / "chapters" / "10-lab.qmd"
     target = (ROOT / DEFAULT_TARGET).relative_to(chapter.parent)
     text = chapter.read_text(encoding="utf-8")
     assert f"]({target})" in text and f"href: {target}" in text

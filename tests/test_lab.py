@@ -1,6 +1,6 @@
 """The lab's shared pieces and its drill runners (torchbook.book.lab).
 
-The drills themselves run in chapter 9; ``make gpu-results`` reruns them at
+The drills themselves run in chapter 10; ``make gpu-results`` reruns them at
 the gpu profile's sizes through the functions tested here.
 """
 
@@ -161,7 +161,7 @@ def test_epochs_shuffled_counts_the_shuffles_a_generator_drew():
 
 
 # One line of each kind of call in the wrapper code Inductor writes: a library call
-# and a C++ kernel (as chapter 9's CPU run generates them), and a Triton kernel as
+# and a C++ kernel (as chapter 10's CPU run generates them), and a Triton kernel as
 # torch/_inductor/codegen/wrapper.py launches it on a GPU, which no test here has.
 GENERATED_CODE = """
 def call(args):

@@ -89,7 +89,7 @@ DATASETS: dict[str, tuple[DataFile, ...]] = {
 
 def repository_root() -> Path:
     """This package's checkout, or the working directory if it was copied elsewhere."""
-    candidate = Path(__file__).resolve().parents[2]
+    candidate = Path(__file__).resolve().parents[3]  # code/torchbook/book/download.py
     if (candidate / "pyproject.toml").is_file():
         return candidate
     return Path.cwd().resolve()

@@ -1,6 +1,6 @@
 """The lab's MNIST drills: the data, the 784-256-128-10 MLP, the runs that repeat them.
 
-Chapter 9 writes each drill's own code (the training loop, the compile
+Chapter 10 writes each drill's own code (the training loop, the compile
 timing, accumulation, autocast, saving) in its cells. The first half of this
 module is what those cells share: the data on the training device, the model
 built from a seed, and its evaluation in eval mode without gradients. The
@@ -155,7 +155,7 @@ def train_epoch(
     drop_last: bool = False,
     max_steps: int | None = None,
 ) -> list[Tensor]:
-    """One epoch of optimizer steps as chapter 9 writes them; losses stay on the device.
+    """One epoch of optimizer steps as chapter 10 writes them; losses stay on the device.
 
     Each micro-batch's loss is summed over its examples and divided by the
     whole batch's size, so ``accum_steps`` micro-batches give the gradient of

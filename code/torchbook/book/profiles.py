@@ -131,7 +131,7 @@ class CheckpointSizes:
 
 @dataclass(frozen=True)
 class PitfallSizes:
-    """Chapter 10: the pitfalls and self-check demonstrations.
+    """Chapter 11: the pitfalls and self-check demonstrations.
 
     Each demonstration shows a behaviour, not a speed, so both profiles use the
     same tiny sizes; only the device changes.
@@ -164,7 +164,7 @@ class PitfallSizes:
 
 @dataclass(frozen=True)
 class LabSizes:
-    """Chapter 9: the lab's MLP on MNIST, its seven drills and its loader measurements.
+    """Chapter 10: the lab's MLP on MNIST, its seven drills and its loader measurements.
 
     MNIST is small enough that both profiles train the same model the same
     number of epochs; the cpu profile only times fewer steps and trains the
