@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchbook.book.drills import check
+from torchbook.book.drills.notebook import check
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -419,6 +419,70 @@ def test_drill_1_counts_a_fourth_epoch_whatever_the_batch_size_reported(solved):
     # 1,876 steps would be 1 epoch at batches of 32: the size is not trusted
     printed = checked(1, namespace, **four_epochs, batch_size=32)
     assert "shuffled the training set 4 times: 4 epochs" in printed, printed
+
+
+def drill_1_snapshot(namespace: dict, train_order: torch.Generator) -> dict:
+    """Copies of what drill 1's checker is given: generator, weights, optimizer."""
+    return {
+        "generator": train_order.get_state(),
+        "weights": {
+            name: tensor.clone()
+            for name, tensor in namespace["model"].state_dict().items()
+        },
+        "optimizer": copy.deepcopy(namespace["optimizer"].state_dict()),
+        "grads": [
+            None if p.grad is None else p.grad.clone()
+            for p in namespace["model"].parameters()
+        ],
+    }
+
+
+def same_snapshot(first: dict, second: dict) -> bool:
+    def equal(a, b) -> bool:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return torch.equal(a, b)
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+        if isinstance(a, list) and isinstance(b, list):
+            return len(a) == len(b) and all(map(equal, a, b))
+        return type(a) is type(b) and a == b
+
+    return equal(first, second)
+
+
+@pytest.mark.slow
+def test_drill_1_refuses_a_train_order_never_drawn_from_and_changes_nothing(solved):
+    """The run shuffled its epochs with other generators (a new one each epoch):
+    the generator it leaves is as seeded, so its epochs cannot be counted."""
+    namespace, _ = solved
+    unused = torch.Generator().manual_seed(0)  # drill 1's seed, never drawn from
+    before = drill_1_snapshot(namespace, unused)
+    printed = checked(1, namespace, train_order=unused)
+    steps = len(namespace["adamw_losses"])
+    assert printed.startswith("drill 1: ") and "passed" not in printed, printed
+    assert "train_order was never drawn from" in printed, printed
+    assert f"{steps:,} steps" in printed, printed
+    assert same_snapshot(drill_1_snapshot(namespace, unused), before)
+
+
+@pytest.mark.slow
+def test_drill_1_refuses_more_steps_than_train_orders_epochs_hold(solved):
+    """One epoch drawn from train_order, the rest of the run from other generators."""
+    namespace, _ = solved
+    one_epoch = torch.Generator().manual_seed(0)
+    next(
+        namespace["resident_batches"](
+            namespace["train_images"], namespace["train_labels"], 128, one_epoch
+        )
+    )
+    before = drill_1_snapshot(namespace, one_epoch)
+    printed = checked(1, namespace, train_order=one_epoch, batch_size=128)
+    steps = len(namespace["adamw_losses"])
+    assert "train_order shuffled 1 epoch" in printed, printed
+    assert f"at most 469 steps of batches of 128, but the optimizer took {steps:,}" in (
+        printed
+    ), printed
+    assert same_snapshot(drill_1_snapshot(namespace, one_epoch), before)
 
 
 @pytest.mark.slow

@@ -1,34 +1,31 @@
-"""Checkers for ``pytorch_drills.ipynb``, the lab's drills: one ``check_drill_N`` each.
+"""Checkers for drills 1 to 4 of the exercise notebook: the drills that train.
 
-Each checker recomputes what it can from the objects you leave (your model,
-your optimizer, your generator, your files) rather than trusting numbers you
-report, and raises ``DrillCheckError`` listing everything that is wrong, with
-the likely cause. ``check(N, globals())`` is what the notebook's check cells
-call: it looks up the names drill N's checker takes, says which are still
-missing, and prints the verdict instead of raising, so "Run All" reaches the end.
+Drill 1 trains the MLP to the target, drill 2 times ``torch.compile`` on
+training steps, drill 3 trains with SGD against drill 1's AdamW, and drill 4
+accumulates gradients. Their checkers trust no count or size an answer reports:
+drill 1's epochs are counted from the shuffles its generator drew, and its steps
+read from the optimizer's own state; drill 4's checker takes the compared steps
+itself, the big-batch way, and holds the answer's gradients and weights to its
+own.
 
-It builds on ``torchbook.book.lab``: its evaluation, its count of the epochs a
-generator shuffled, and drill 4's compared steps, repeated the big-batch way.
+It builds on ``torchbook.book.lab``: its count of the epochs a generator
+shuffled (``epochs_shuffled``) and drill 4's compared steps
+(``compared_steps``).
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
-import json
 import math
-import pickle
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Mapping, Sequence
 
-import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import get_total_norm
 
-from torchbook.book.lab import COMPARED_LR, compared_steps, epochs_shuffled, eval_logits
+from torchbook.book.drills import fail_if, same_tensors, test_accuracy
+from torchbook.book.lab import COMPARED_LR, compared_steps, epochs_shuffled
 
 TARGET_ACCURACY = 0.97
 MAX_EPOCHS = 3
@@ -53,31 +50,6 @@ GRADIENT_RTOL = 1e-5
 ACCUMULATION_WEIGHT_ATOL = 1e-6
 MAX_FRACTION_BEYOND_ATOL = 1e-3
 MAX_ACCURACY_GAP = 0.005  # drill 4: "unchanged" accuracy, half a percentage point
-MAX_AUTOCAST_LOSS_GAP = 0.005  # drill 5: the lab's 0.5%
-# Drill 5: your losses against the checker's recomputation. 2e-5 relative covers a
-# different evaluation batching; bf16 autocast moves the loss about ten times more.
-LOSS_RECOMPUTE_RTOL = 2e-5
-SAFETENSORS_HEADER_LENGTH_BYTES = 8
-
-
-class DrillCheckError(AssertionError):
-    """A drill's answer is wrong; the message lists every problem found."""
-
-
-def _fail_if(problems: list[str], drill: int) -> None:
-    if problems:
-        raise DrillCheckError(f"drill {drill}: " + "; ".join(problems))
-
-
-def _accuracy(model: nn.Module, images: Tensor, labels: Tensor) -> float:
-    return (eval_logits(model, images).argmax(dim=1) == labels).float().mean().item()
-
-
-def _same_tensors(first: Mapping[str, Tensor], second: Mapping[str, Tensor]) -> bool:
-    """Whether two state dicts hold equal tensors under the same names."""
-    return first.keys() == second.keys() and all(
-        torch.equal(first[name].cpu(), second[name].cpu()) for name in first
-    )
 
 
 def _gradient_left_ratio(model: nn.Module, images: Tensor, labels: Tensor) -> float:
@@ -94,13 +66,17 @@ def check_drill_1(
     optimizer: torch.optim.Optimizer,
     initial_state: Mapping[str, Tensor],
     train_order: torch.Generator,
+    batch_size: int,
     test_images: Tensor,
     test_labels: Tensor,
 ) -> str:
     """At most 3 epochs, every parameter moved, test accuracy >= 97%.
 
     The epochs are counted from the shuffles ``train_order`` drew, the steps
-    from the optimizer's own state: nothing is taken from a reported size.
+    from the optimizer's own state: no reported count is trusted. The epochs
+    bound the steps: a run that shuffled some of its epochs with another
+    generator took more steps than ``train_order``'s epochs hold, even at the
+    ``batch_size`` it reports.
     """
     problems = []
     epochs = epochs_shuffled(train_order, TRAIN_EXAMPLES, MAX_EPOCHS_REPLAYED)
@@ -119,10 +95,30 @@ def check_drill_1(
     counts = [
         int(state["step"]) for state in optimizer.state.values() if "step" in state
     ]
+    steps = max(counts, default=0)
+    most_steps = (epochs or 0) * math.ceil(TRAIN_EXAMPLES / batch_size)
     if not counts:
         problems.append(
             f"{type(optimizer).__name__} has taken no step, or keeps no step count "
             "(the drill uses torch.optim.AdamW)"
+        )
+    elif epochs is not None and steps > most_steps:
+        if epochs == 0:
+            drawn = (
+                "train_order was never drawn from (it is as it was seeded), but the "
+                f"optimizer took {steps:,} steps: their batches came from another "
+                "generator"
+            )
+        else:
+            drawn = (
+                f"train_order shuffled {epochs} epoch{'s' if epochs > 1 else ''}: at "
+                f"most {most_steps:,} steps of batches of {batch_size}, but the "
+                f"optimizer took {steps:,}: the steps beyond them drew their batches "
+                "from another generator"
+            )
+        problems.append(
+            f"{drawn}; make train_order once, before the first epoch, and give it to "
+            "every resident_batches call"
         )
     current = model.state_dict()
     live = {tensor.untyped_storage().data_ptr() for tensor in current.values()}
@@ -143,7 +139,7 @@ def check_drill_1(
             f"parameters not moving from their initial values: {frozen} (is "
             "optimizer.step() called, on this model's parameters, built before it?)"
         )
-    accuracy = _accuracy(model, test_images, test_labels)
+    accuracy = test_accuracy(model, test_images, test_labels)
     if accuracy < TARGET_ACCURACY:
         problems.append(
             f"test accuracy {accuracy:.2%} is below the {TARGET_ACCURACY:.0%} target"
@@ -155,9 +151,9 @@ def check_drill_1(
                 "fresh batch: is optimizer.zero_grad() called every step? Without it "
                 "each step adds to all earlier gradients"
             )
-    _fail_if(problems, 1)
+    fail_if(problems, 1)
     return (
-        f"drill 1 passed: {accuracy:.2%} test accuracy after {max(counts):,} steps "
+        f"drill 1 passed: {accuracy:.2%} test accuracy after {steps:,} steps "
         f"in {epochs} epochs"
     )
 
@@ -202,7 +198,7 @@ def check_drill_2(
             problems.append(
                 f"{name} = {value!r}; expected a positive number of seconds"
             )
-    _fail_if(problems, 2)
+    fail_if(problems, 2)
     return (
         f"drill 2 passed: compiling took {compile_s:.1f} s; a step "
         f"{eager_step_s * 1e3:.2f} ms eager, {compiled_step_s * 1e3:.2f} ms compiled"
@@ -237,7 +233,7 @@ def check_drill_3(
         problems.append(
             "SGD's loss did not fall from the first tenth of training to the last"
         )
-    _fail_if(problems, 3)
+    fail_if(problems, 3)
     return f"drill 3 passed: SGD loss {first:.3f} -> {last:.3f}"
 
 
@@ -278,7 +274,7 @@ def check_drill_4(
             f"{given / expected:.3g} times as large: divide each micro-batch's loss "
             "by accum_steps (or sum it and divide by the whole batch's size)"
         )
-    if _same_tensors(accumulated_state, initial_state):
+    if same_tensors(accumulated_state, initial_state):
         problems.append(
             f"accumulated_state still holds initial_state's weights: were the "
             f"{COMPARED_STEPS} steps taken, and the weights copied after them?"
@@ -298,10 +294,10 @@ def check_drill_4(
                 f"model.parameters(), lr={COMPARED_LR:g}) without a scheduler, one "
                 "step and one zero_grad per batch?"
             )
-    big_batch_accuracy = _accuracy(model, test_images, test_labels)
-    accumulated_accuracy = _accuracy(accumulated_model, test_images, test_labels)
+    big_batch_accuracy = test_accuracy(model, test_images, test_labels)
+    accumulated_accuracy = test_accuracy(accumulated_model, test_images, test_labels)
     accuracy_gap = abs(big_batch_accuracy - accumulated_accuracy)
-    if _same_tensors(accumulated_model.state_dict(), model.state_dict()):
+    if same_tensors(accumulated_model.state_dict(), model.state_dict()):
         problems.append(
             "accumulated_model has drill 1's weights: train a new model, with "
             "accumulation"
@@ -312,188 +308,9 @@ def check_drill_4(
             f"{accumulated_accuracy:.2%} (accumulated) differ by {accuracy_gap:.2%} "
             f"(> {MAX_ACCURACY_GAP:.1%})"
         )
-    _fail_if(problems, 4)
+    fail_if(problems, 4)
     return (
         f"drill 4 passed: accumulation agrees with the checker's big-batch steps; "
         f"test accuracy {big_batch_accuracy:.2%} vs {accumulated_accuracy:.2%} "
         "accumulated"
     )
-
-
-def check_drill_5(
-    model: nn.Module,
-    test_images: Tensor,
-    test_labels: Tensor,
-    fp32_loss: float,
-    bf16_loss: float,
-) -> str:
-    """Test losses of one float32 model in fp32 and under bf16 autocast, within 0.5%."""
-    dtypes = {p.dtype for p in model.parameters()}
-    if dtypes != {torch.float32}:
-        _fail_if(
-            [
-                f"the model's weights are {sorted(map(str, dtypes))}, not float32: "
-                "model.to(torch.bfloat16) rounds the weights; autocast keeps them "
-                "and runs each matrix product in bf16. Reload drill 1's weights and "
-                "put `with torch.autocast(device_type, dtype=torch.bfloat16):` "
-                "around the forward pass"
-            ],
-            5,
-        )
-    problems = []
-    for name, value, precision in [
-        ("fp32_loss", fp32_loss, "fp32"),
-        ("bf16_loss", bf16_loss, "bf16"),
-    ]:
-        logits = eval_logits(model, test_images, precision)
-        expected = F.cross_entropy(logits, test_labels).item()
-        if not math.isclose(value, expected, rel_tol=LOSS_RECOMPUTE_RTOL):
-            problems.append(
-                f"{name} = {value:.6f}, but the checker computes {expected:.6f} for "
-                "this model"
-            )
-    if fp32_loss == bf16_loss:
-        problems.append(
-            "the two losses are identical: was autocast enabled, with "
-            "dtype=torch.bfloat16?"
-        )
-    gap = abs(bf16_loss - fp32_loss) / fp32_loss
-    if gap >= MAX_AUTOCAST_LOSS_GAP:
-        problems.append(
-            f"bf16 loss differs from fp32 by {gap:.2%} (>= {MAX_AUTOCAST_LOSS_GAP:.1%})"
-        )
-    _fail_if(problems, 5)
-    return (
-        f"drill 5 passed: same weights, loss {fp32_loss:.5f} fp32 vs "
-        f"{bf16_loss:.5f} bf16 ({gap:.3%})"
-    )
-
-
-def check_drill_6(
-    model: nn.Module,
-    reloaded: nn.Module,
-    checkpoint_path: Path | str,
-    test_images: Tensor,
-) -> str:
-    """A state dict file that loads ``weights_only`` into a new model, same logits."""
-    path = Path(checkpoint_path)
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError) as error:
-        _fail_if(
-            [
-                f"{path} does not load with torch.load(..., weights_only=True): "
-                f"{str(error).splitlines()[0][:120]}. torch.save(model) pickles the "
-                "module object, and reading it back needs weights_only=False, which "
-                "runs whatever code the file names; save model.state_dict() instead"
-            ],
-            6,
-        )
-    problems = []
-    state = {name: tensor.cpu() for name, tensor in model.state_dict().items()}
-    if not isinstance(saved, Mapping) or saved.keys() != state.keys():
-        keys = sorted(saved)[:4] if isinstance(saved, Mapping) else "-"
-        problems.append(
-            f"{path} holds {type(saved).__name__} with keys {keys}; expected the "
-            f"model's state dict, keys {sorted(state)[:4]}..."
-        )
-    elif not _same_tensors(saved, state):
-        problems.append(f"{path} holds other weights than the model's (saved early?)")
-    if reloaded is model:
-        problems.append(
-            "`reloaded` is the original model object; build a new model and load the "
-            "file into it"
-        )
-    shapes = [tuple(tensor.shape) for tensor in reloaded.state_dict().values()]
-    if shapes != [tuple(tensor.shape) for tensor in state.values()]:
-        problems.append(
-            f"the reloaded model has other parameters ({shapes}); build it with the "
-            "same sizes and load_state_dict with strict=True, which refuses a mismatch"
-        )
-    else:
-        before = eval_logits(model, test_images)
-        after = eval_logits(reloaded, test_images)
-        if not torch.equal(before, after):
-            problems.append(
-                f"test logits differ (max {(before - after).abs().max().item():.2e}): "
-                "the state dict did not round-trip"
-            )
-    _fail_if(problems, 6)
-    return (
-        f"drill 6 passed: {path.name} is a state dict; the reloaded model's "
-        f"{len(test_images):,} predictions are bit-identical"
-    )
-
-
-def check_drill_7(safetensors_path: Path | str, model: nn.Module) -> str:
-    """A safetensors file (8-byte length, JSON header) with exactly the state dict."""
-    path = Path(safetensors_path)
-    data = path.read_bytes()
-    length = int.from_bytes(data[:SAFETENSORS_HEADER_LENGTH_BYTES], "little")
-    header_end = SAFETENSORS_HEADER_LENGTH_BYTES + length
-    try:
-        header = json.loads(data[SAFETENSORS_HEADER_LENGTH_BYTES:header_end])
-    except (ValueError, UnicodeDecodeError):
-        _fail_if(
-            [
-                f"{path} is not a safetensors file: its first 8 bytes announce a "
-                f"{length:,}-byte header that is not JSON (starts with {data[:4]!r})"
-            ],
-            7,
-        )
-    loaded = safetensors.torch.load_file(path)
-    state = model.state_dict()
-    problems = []
-    if loaded.keys() != state.keys():
-        problems.append(f"{path} holds {sorted(loaded)}, the model has {sorted(state)}")
-    else:
-        unequal = [
-            name for name in state if not torch.equal(loaded[name], state[name].cpu())
-        ]
-        if unequal:
-            problems.append(f"{path}: tensors differ from the model's: {unequal}")
-    _fail_if(problems, 7)
-    tensors = len([key for key in header if key != "__metadata__"])
-    return (
-        f"drill 7 passed: {path.name} has {tensors} tensors, all equal to the model's"
-    )
-
-
-CHECKERS: dict[int, Callable[..., str]] = {
-    1: check_drill_1,
-    2: check_drill_2,
-    3: check_drill_3,
-    4: check_drill_4,
-    5: check_drill_5,
-    6: check_drill_6,
-    7: check_drill_7,
-}
-
-
-def check(number: int, namespace: Mapping[str, Any]) -> bool:
-    """Run drill ``number``'s checker on names from ``namespace``; print the verdict.
-
-    Returns whether it passed. Nothing is raised, so a notebook run top to
-    bottom reports every drill.
-    """
-    checker = CHECKERS[number]
-    names = list(inspect.signature(checker).parameters)
-    missing = [name for name in names if name not in namespace]
-    if missing:
-        print(
-            f"drill {number}: not done yet: the cell above should leave "
-            + ", ".join(f"`{n}`" for n in missing)
-        )
-        return False
-    try:
-        print(checker(*(namespace[name] for name in names)))
-        return True
-    except DrillCheckError as error:
-        print(f"{error}")
-    # an answer of the wrong kind: say so, with what the checker expected
-    except Exception as error:
-        print(
-            f"drill {number}: could not check your answer ({type(error).__name__}: "
-            f"{error}); the checker takes {', '.join(names)}, as the task says"
-        )
-    return False
