@@ -1,4 +1,4 @@
-"""code/torchbook/checkpoint.py: weights, checkpoints, RNG, rotation and refusals."""
+"""checkpoint.py and rng_state.py: weights, checkpoints, RNG, rotation and refusals."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ from torchbook.checkpoint import CheckpointError
 from torchbook.files import is_temporary
 from torchbook.models import GPT, GPTConfig, TinyMLP
 from torchbook.optim import learning_rate
+from torchbook.rng_state import (
+    capture_rng_state,
+    restore_rng_state,
+    rng_device_problems,
+    rng_state_problems,
+)
 from torchbook.state_dicts import LISTED_KEYS, unwrap_model, unwrap_state_dict
 from torchbook.train import TrainConfig, Trainer
 from torchbook.weights import save_safetensors
@@ -368,10 +374,10 @@ def test_save_refuses_container_subclasses_that_weights_only_refuses(tmp_path):
 
 
 def test_rng_state_round_trip_repeats_every_generator():
-    state = ckpt.capture_rng_state(CPU)
+    state = capture_rng_state(CPU)
     first = (random.random(), np.random.rand(), torch.rand(3))
-    assert ckpt.rng_state_problems(state) == ckpt.rng_device_problems(state, CPU) == []
-    ckpt.restore_rng_state(state, CPU)
+    assert rng_state_problems(state) == rng_device_problems(state, CPU) == []
+    restore_rng_state(state, CPU)
     again = (random.random(), np.random.rand(), torch.rand(3))
     assert (
         first[0] == again[0]
@@ -705,12 +711,12 @@ def test_a_state_with_an_extra_field_is_refused_with_a_checkpoint_error(tmp_path
 
 
 def test_a_bad_rng_state_is_found_by_checking_before_any_generator_changes():
-    state = ckpt.capture_rng_state(CPU)
+    state = capture_rng_state(CPU)
     # torch's generator would refuse it last
     state["torch_cpu"] = torch.zeros(3, dtype=torch.uint8)
     random.seed(1)
     expected = random.getstate()
-    problems = ckpt.rng_state_problems(state)
+    problems = rng_state_problems(state)
     assert len(problems) == 1 and problems[0].startswith("rng: not restorable"), (
         problems
     )

@@ -1,6 +1,7 @@
-"""Tests for torchbook.models: shapes, causality, attention, packing, generation.
+"""Tests for torchbook.models and torchbook.decoder.
 
-Also tied weights, buffers and activation checkpointing.
+Shapes, causality, attention, packing, generation; also tied weights,
+buffers and activation checkpointing.
 """
 
 from __future__ import annotations
@@ -13,20 +14,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchbook.memory.measure import saved_activation_bytes
-from torchbook.models import (
-    GPT,
+from torchbook.decoder import (
     INIT_STD,
     ROPE_BASE,
-    GPTConfig,
-    TinyMLP,
     apply_rope,
     check_token_ids,
-    count_parameters,
     document_causal_mask,
     masked_softmax_attention,
     rope_tables,
 )
+from torchbook.memory.measure import saved_activation_bytes
+from torchbook.models import GPT, GPTConfig, TinyMLP, count_parameters
 
 # Small enough that every test runs in well under a second on 2 CPU cores.
 CONFIG = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, d_model=32)

@@ -16,7 +16,7 @@ from torchbook.optim import (
     build_optimizer,
     learning_rate,
     load_optimizer_state,
-    optimizer_layout_problems,
+    optimizer_state_problems,
     parameter_groups,
     set_learning_rate,
 )
@@ -50,8 +50,7 @@ def test_an_optimizer_config_names_the_field_that_is_wrong():
 def test_a_saved_state_of_the_same_optimizer_has_no_problems():
     _, optimizer, _ = stepped(OptimizerConfig(max_steps=10, warmup_steps=2))
     assert (
-        optimizer_layout_problems(copy.deepcopy(optimizer.state_dict()), optimizer)
-        == []
+        optimizer_state_problems(copy.deepcopy(optimizer.state_dict()), optimizer) == []
     )
 
 
@@ -76,8 +75,7 @@ def test_a_scalar_parameter_whose_moments_are_0_dim_is_not_refused():
     # a moment and a step count look alike here
     assert optimizer.state[model.temperature]["exp_avg"].dim() == 0
     assert (
-        optimizer_layout_problems(copy.deepcopy(optimizer.state_dict()), optimizer)
-        == []
+        optimizer_state_problems(copy.deepcopy(optimizer.state_dict()), optimizer) == []
     )
 
 
@@ -85,7 +83,7 @@ def test_amsgrad_switched_on_is_refused_though_torch_loads_it_and_then_fails():
     model, optimizer, _ = stepped(OptimizerConfig(max_steps=10, warmup_steps=2))
     saved = copy.deepcopy(optimizer.state_dict())
     saved["param_groups"][0]["amsgrad"] = True
-    assert optimizer_layout_problems(saved, optimizer) == [
+    assert optimizer_state_problems(saved, optimizer) == [
         "optimizer group 0: amsgrad=True in the state, False here"
     ]
     # independent check that the refusal matters: torch loads it, the next step fails
@@ -99,7 +97,7 @@ def test_a_moment_of_another_shape_is_refused_though_torch_loads_it():
     _, optimizer, _ = stepped(OptimizerConfig(max_steps=10, warmup_steps=2))
     saved = copy.deepcopy(optimizer.state_dict())
     saved["state"][0]["exp_avg"] = torch.zeros(3)
-    assert optimizer_layout_problems(saved, optimizer) == [
+    assert optimizer_state_problems(saved, optimizer) == [
         "optimizer state of parameter 0: 'exp_avg' has shape (3,), the parameter (8, 4)"
     ]
     # torch loads it without a word. Not stepped here: the fused kernel then writes
@@ -128,7 +126,7 @@ def test_another_group_layout_is_named(damage, message):
     _, optimizer, _ = stepped(OptimizerConfig(max_steps=10, warmup_steps=2))
     saved = copy.deepcopy(optimizer.state_dict())
     damage(saved)
-    problems = optimizer_layout_problems(saved, optimizer)
+    problems = optimizer_state_problems(saved, optimizer)
     assert any(re.search(message, line) for line in problems), problems
 
 
@@ -154,7 +152,7 @@ def test_a_state_saved_without_the_fused_kernel_loads_into_a_fused_optimizer():
     with pytest.raises(AssertionError):
         scaled_step(as_torch_loads_it)
     fused, _ = build_optimizer(model, config, torch.device("cpu"))
-    assert optimizer_layout_problems(saved, fused) == []
+    assert optimizer_state_problems(saved, fused) == []
     load_optimizer_state(fused, saved)
     assert all(group["fused"] is True for group in fused.param_groups)
     scaled_step(fused)

@@ -1,4 +1,7 @@
-"""Tests of the training loop (torchbook/train.py) against independent computations."""
+"""The training loop (train.py, loss.py) and its saved state (trainer_state.py).
+
+Each checked against an independent computation.
+"""
 
 from __future__ import annotations
 
@@ -17,11 +20,11 @@ from torchbook.train import (
     IGNORE_INDEX,
     MAX_SKIPS_IN_A_ROW,
     NonFiniteLossError,
-    StepResult,
     TrainConfig,
     Trainer,
     evaluate,
 )
+from torchbook.trainer_state import StepResult
 
 CPU = torch.device("cpu")
 VOCAB, WIDTH, BLOCK = 11, 16, 6
@@ -654,7 +657,7 @@ def test_resume_with_the_same_config_keeps_the_loaded_rate_bit_for_bit(tmp_path)
         ),
         (
             lambda s: s["optimizer"]["state"].__setitem__(0, [1.0]),
-            r"optimizer: not an optimizer.state_dict\(\): AttributeError",
+            r"optimizer state of parameter 0: a list, expected a dict",
         ),
     ],
     ids=[
@@ -675,7 +678,7 @@ def test_resume_with_the_same_config_keeps_the_loaded_rate_bit_for_bit(tmp_path)
         "model-a-list",
         "group-a-string",
         "group-without-params",
-        "moment-a-list",
+        "entry-a-list",
     ],
 )
 def test_a_bad_state_is_refused_and_nothing_changes(damage, message):
@@ -691,6 +694,85 @@ def test_a_bad_state_is_refused_and_nothing_changes(damage, message):
     assert target.step == 0 and not target._unlogged and target.history == []
     assert all(torch.equal(target.model.state_dict()[k], v) for k, v in weights.items())
     assert target.optimizer.state_dict() == optimizer_state
+
+
+def same_tensors(a, b) -> bool:
+    """Whether two nested dicts and lists hold equal values and equal tensors."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_tensors(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(same_tensors, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda entry: entry.update(step="3"),
+            r"optimizer state of parameter 0: 'step' is a str, expected a tensor",
+        ),
+        (
+            lambda entry: entry.update(exp_avg=entry["exp_avg"].tolist()),
+            r"optimizer state of parameter 0: 'exp_avg' is a list, expected a tensor",
+        ),
+        (
+            lambda entry: entry.pop("exp_avg"),
+            r"optimizer state of parameter 0: lacks \['exp_avg'\], which other "
+            r"parameters of group 0 hold",
+        ),
+        (
+            lambda entry: entry.pop("step"),
+            r"optimizer state of parameter 0: lacks \['step'\]",
+        ),
+    ],
+    ids=["step-a-string", "moment-a-list", "moment-missing", "step-missing"],
+)
+def test_a_malformed_optimizer_entry_changes_neither_trainer_nor_optimizer(
+    damage, message
+):
+    """A state that torch would load, or load half-way, and fail on later."""
+    source = Trainer(make_model(seed=1), config(log_every=4), CPU)
+    train_steps(source, 0, 2)
+    state = copy.deepcopy(source.state_dict())
+    damage(state["optimizer"]["state"][0])
+    target = Trainer(make_model(), config(log_every=4), CPU)
+    train_steps(target, 0, 1)  # the optimizer has moments to lose
+    weights = copy.deepcopy(target.model.state_dict())
+    optimizer_state = copy.deepcopy(target.optimizer.state_dict())
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(state)
+    assert target.step == 1
+    assert same_tensors(target.model.state_dict(), weights)
+    assert same_tensors(target.optimizer.state_dict(), optimizer_state)
+    train_steps(target, 1, 2)  # and it trains on
+    assert target.step == 2
+
+
+def test_an_optimizer_state_for_a_parameter_the_model_lacks_is_refused():
+    """Torch keeps such an entry and saves it again with every later state."""
+    source = Trainer(make_model(seed=1), config(log_every=4), CPU)
+    train_steps(source, 0, 2)
+    state = copy.deepcopy(source.state_dict())
+    count = sum(len(group["params"]) for group in state["optimizer"]["param_groups"])
+    state["optimizer"]["state"][count] = dict(state["optimizer"]["state"][0])
+    target = Trainer(make_model(), config(log_every=4), CPU)
+    train_steps(target, 0, 1)
+    optimizer_state = copy.deepcopy(target.optimizer.state_dict())
+    with pytest.raises(
+        ValueError,
+        match=rf"optimizer state of parameter {count}: no such parameter; the "
+        rf"state's groups list {count} parameters",
+    ):
+        target.load_state_dict(state)
+    assert same_tensors(target.optimizer.state_dict(), optimizer_state)
+    assert sorted(target.state_dict()["optimizer"]["state"]) == list(range(count))
 
 
 def test_reloading_the_state_before_a_nan_step_trains_on_as_if_it_never_happened():

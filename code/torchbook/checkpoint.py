@@ -1,54 +1,67 @@
-"""Exact resume: weights and training state, saved atomically, parsed whole before use.
+"""Exact resume: weights and the training state, saved atomically, parsed whole.
 
-- **Weights** (``save_weights`` / ``load_weights``): a ``torch.save`` of the model's
-  ``state_dict``; to publish weights, ``torchbook.weights`` writes safetensors.
+- **Weights** (``save_weights`` / ``load_weights``): a ``torch.save`` of
+  the model's ``state_dict``. To publish weights, ``torchbook.weights``
+  writes safetensors.
 - **Training checkpoints** (``save_training_checkpoint`` /
-  ``load_training_checkpoint``): the trainer's ``state_dict()``, every rank's random
-  generators (Python, NumPy, torch's CPU generator and the training accelerator's), the
-  data position and the model config.
+  ``load_training_checkpoint``): the trainer's ``state_dict()`` (model,
+  optimizer, scheduler, scaler, step, skipped steps, history, losses not
+  yet logged, config), every rank's random generators (Python, NumPy,
+  torch's CPU generator and the training accelerator's, captured by
+  ``torchbook.rng_state``), the data position and the model config.
 
-**What a load refuses, and what it trusts.** A load reads the whole file into one typed
-value (``TrainingCheckpoint``; the trainer parses its own part) and applies it only when
-every part fits, so it cannot stop half-way. Before anything changes it refuses, with a
-``CheckpointError`` naming the file:
+**What a load refuses, and what it trusts.** A load reads the whole file
+into one typed value (``TrainingCheckpoint``; the trainer parses its own
+part) and applies it only when every part fits, so it cannot stop
+half-way. Before anything changes it refuses, with a ``CheckpointError``
+naming the file:
 
-- a file of another kind (the format tag and version): its dict would be misread;
-- a truncated or bit-rotted file (the zip's end record, every member's CRC unless
-  ``verify=False`` or ``mmap=True``): ``torch.load`` reads damaged bytes silently;
-- a pickle that would run code (``weights_only=True``): unpickling can call anything;
-- another architecture (each key, shape and dtype): ``load_state_dict`` copies every
-  tensor that fits before it raises;
-- another optimizer layout (groups, parameters, ``amsgrad``, moment shapes): torch
-  loads it, and the next step fails;
-- a missing or mistyped field (step, history, data position, configs), loss scaling
-  switched on or off, or random states that do not restore here (each tried on a
-  private generator; a generator of another device; another number of ranks).
+- a file of another kind (the format tag and version): its dict would be
+  misread;
+- a truncated or bit-rotted file (the zip's end record, every member's CRC
+  unless ``verify=False`` or ``mmap=True``): ``torch.load`` reads damaged
+  bytes silently;
+- a pickle that would run code (``weights_only=True``): unpickling can
+  call any function the file names;
+- another architecture (each key, shape and dtype): ``load_state_dict``
+  copies every tensor that fits before it raises;
+- another optimizer layout or a malformed optimizer state (groups,
+  parameters, ``amsgrad``, each parameter's tensors and their shapes):
+  torch loads it, and the next step fails;
+- a missing or mistyped field (step, history, data position, configs),
+  loss scaling switched on or off, or random states that do not restore
+  here (each tried on a private generator; a generator of another device;
+  another number of ranks).
 
-It does not re-check the values inside a file this code wrote whose CRCs hold: a file
-valid in format but crafted in content is out of scope; files from strangers are
-weights, in safetensors. Every file goes through ``torchbook.files.atomic_write`` (a
-crash leaves the previous file whole), and only if ``weights_only`` reads it back. The
-module builds on ``torchbook.state_dicts`` (unwrapping, the key/shape/dtype check,
-``CheckpointError``).
+It does not re-check the values inside a file this code wrote whose CRCs
+hold (a learning rate, the numbers in a moment): a file valid in format
+but crafted in content is out of scope, and files from strangers are
+weights, in safetensors. Every file goes through
+``torchbook.files.atomic_write`` (a crash leaves the previous file
+whole), and is kept only if ``weights_only`` reads it back. The module
+builds on ``torchbook.state_dicts`` (unwrapping, the key/shape/dtype
+check, ``CheckpointError``) and ``torchbook.rng_state``.
 
-**Rotation keeps the newest written.** A name carries a save sequence beside its step
-(``ckpt-000007-step-00000042.pt``); "latest" and "keep the last N" follow the sequence,
-never the step or the file's time, so a run restarted from an older step keeps its new
-checkpoint. One process writes to a folder at a time.
+**Rotation keeps the newest written.** A checkpoint's name carries a save
+sequence beside its step (``ckpt-000007-step-00000042.pt``); "latest" and
+"keep the last N" follow the sequence, never the step or the file's time,
+so a run restarted from an older step keeps its new checkpoint. One
+process writes to a folder at a time.
 
-**What else exact resume depends on.** A deterministic run
-(``torch.use_deterministic_algorithms(True)``, a fixed number of CPU threads, same
-device and versions). A ``DataLoader`` without a ``generator`` of its own draws a base
-seed from the *global* torch generator each time it is iterated: iterate it after
-``restore_rng_state``, and restore its position from the data state, as
-``examples/resume_demo.py`` does.
+**What else exact resume depends on.** A deterministic run (the same
+operations in the same order: ``torch.use_deterministic_algorithms(True)``,
+a fixed number of CPU threads, the same device and versions). A
+``DataLoader`` without a ``generator`` of its own draws a base seed from
+the *global* torch generator every time it is iterated, even without
+shuffling or workers: iterate it after ``restore_rng_state`` (or give it
+its own ``generator``), and restore its position from the data state, as
+``examples/resume_demo.py`` does with its ``TokenStream``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pickle
-import random
 import re
 import zipfile
 from collections.abc import Mapping
@@ -56,13 +69,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.serialization import get_unsafe_globals_in_checkpoint
 
 from torchbook.files import atomic_write, is_temporary
+from torchbook.rng_state import (
+    capture_rng_state,
+    restore_rng_state,
+    rng_device_problems,
+    rng_state_problems,
+)
 from torchbook.state_dicts import (
     CheckpointError,
     check_state_dict,
@@ -83,10 +101,12 @@ def read_torch_file(
 ) -> Any:
     """``torch.load`` to the CPU with ``weights_only=True``; errors name the file.
 
-    The bytes are judged first: ``torch.save`` writes a zip archive (``PK``),
-    safetensors an 8-byte length then ``{``. ``verify`` checks the zip's CRCs, which
-    ``torch.load`` does not (one extra read; skip it for a huge file you trust).
-    ``mmap=True`` maps the tensors' bytes: pages are read on use.
+    The bytes are judged first: ``torch.save`` writes a zip archive
+    (``PK``), safetensors an 8-byte length then ``{``, so a file of the
+    other kind, an empty file or a truncated one gets an error that says
+    so. ``verify`` checks the zip's CRCs, which ``torch.load`` does not:
+    one extra read of the file, worth skipping only for a huge file you
+    trust. ``mmap=True`` maps the tensors' bytes: pages are read on use.
     """
     path = Path(path)
     if not path.is_file():
@@ -193,9 +213,12 @@ def load_weights(
 ) -> nn.Module:
     """Load weights from ``save_weights`` or a training checkpoint, checked first.
 
-    Any ``torch.save(state_dict)`` file loads too. ``verify`` (default: ``not mmap``)
-    checks every CRC, which reads the whole file: under ``mmap=True`` that would read
-    every page the mapping saves, so it is off unless asked for.
+    Any ``torch.save(state_dict)`` file loads too, wrapper prefixes
+    (``_orig_mod.``, ``module.``) removed. Keys, shapes and dtypes are
+    checked before anything is copied, so a refused file leaves the model as
+    it was. ``verify`` (default: ``not mmap``) checks every CRC, which reads
+    the whole file: under ``mmap=True`` that would read every page the
+    mapping was meant to spare, so it is off unless asked for.
     """
     path = Path(path)
     verify = not mmap if verify is None else verify
@@ -237,78 +260,7 @@ def config_differences(
     ]
 
 
-# ------------------------------------------------------------ random number generators
-def capture_rng_state(device: torch.device | str) -> dict[str, Any]:
-    """Global random states: Python, NumPy, torch's CPU, an accelerator ``device``'s.
-
-    Only the training device's generator: a CPU run on a CUDA machine saves none, so it
-    resumes on any machine. NumPy's 624 key words, an ndarray that ``weights_only=True``
-    refuses, are stored as a list, which ``np.random.set_state`` takes back as it is.
-    """
-    device = torch.device(device)
-    algorithm, keys, position, has_gauss, cached = np.random.get_state(legacy=True)
-    accelerator = torch.get_device_module(device) if device.type != "cpu" else None
-    return {
-        "python": random.getstate(),  # (version, 625 ints, gauss): plain values already
-        "numpy": [
-            str(algorithm),
-            keys.tolist(),
-            int(position),
-            int(has_gauss),
-            float(cached),
-        ],
-        "torch_cpu": torch.get_rng_state(),
-        # {"cuda": state} for a run on CUDA (that device's generator), {} on the CPU
-        "torch_device": {device.type: accelerator.get_rng_state(device)}
-        if accelerator
-        else {},
-    }
-
-
-def rng_state_problems(saved: Any) -> list[str]:
-    """Why ``saved`` (``capture_rng_state``'s dict) cannot be restored; empty if it can.
-
-    Each CPU state is tried on a private generator, so each library checks its own; a
-    device state must be a tensor (``rng_device_problems`` checks its kind).
-    """
-    try:
-        random.Random().setstate(saved["python"])
-        np.random.RandomState().set_state(tuple(saved["numpy"]))
-        torch.Generator().set_state(saved["torch_cpu"])
-        device_states = dict(saved["torch_device"])
-    # a missing key, a wrong type, length or value: each library raises its own
-    except (LookupError, TypeError, ValueError, RuntimeError) as error:
-        return [f"rng: not restorable ({type(error).__name__}: {error})"]
-    if not all(isinstance(state, torch.Tensor) for state in device_states.values()):
-        return ["rng: a device generator's state must be a tensor"]
-    return []
-
-
-def rng_device_problems(
-    saved: Mapping[str, Any], device: torch.device | str
-) -> list[str]:
-    """A problem if ``saved`` holds a device generator that ``device`` cannot take."""
-    kinds = sorted(saved["torch_device"])
-    if kinds and kinds != [torch.device(device).type]:
-        return [
-            f"rng: a {kinds[0]} generator state in the file, training on {device} "
-            "here; pass restore_rng=False to resume without the random states"
-        ]
-    return []
-
-
-def restore_rng_state(saved: Mapping[str, Any], device: torch.device | str) -> None:
-    """Set the global generators from ``capture_rng_state``'s dict.
-
-    It cannot fail once ``rng_state_problems`` and ``rng_device_problems`` find none.
-    """
-    random.setstate(saved["python"])
-    np.random.set_state(tuple(saved["numpy"]))
-    torch.set_rng_state(saved["torch_cpu"])
-    for kind, state in saved["torch_device"].items():
-        torch.get_device_module(kind).set_rng_state(state, torch.device(device))
-
-
+# ------------------------------------------------------------ every rank's generators
 def _rank_and_world_size() -> tuple[int, int]:
     """This process's rank and the number of ranks; (0, 1) without a process group."""
     if dist.is_available() and dist.is_initialized():
@@ -319,8 +271,9 @@ def _rank_and_world_size() -> tuple[int, int]:
 def gather_rng_states(device: torch.device | str) -> list[dict[str, Any]]:
     """Every rank's ``capture_rng_state``, by rank: a collective with several ranks.
 
-    Each rank draws its own dropout masks (seeded by its rank), so a resumed rank
-    needs its own generators back, not rank 0's.
+    Each rank draws its own dropout masks (seeded by its rank), so a
+    resumed rank needs its own generators back, not rank 0's; rank 0 writes
+    them all into the one file.
     """
     mine, (_, world_size) = capture_rng_state(device), _rank_and_world_size()
     if world_size == 1:
@@ -364,13 +317,17 @@ def save_training_checkpoint(
 ) -> Path | None:
     """Save the trainer's state, RNG states and data position; keep ``keep_last``.
 
-    ``trainer_state`` is ``Trainer.state_dict()``; ``device`` is the training device,
-    whose generator is saved beside the CPU's. Call it after an optimizer step, before
-    the next batch is drawn; with several ranks, on every rank: each sends its random
-    states, rank 0 alone writes, and the others return None. The name takes the next
-    sequence past every checkpoint name in ``folder``. Nothing is written unless
-    ``weights_only`` can read it back; older checkpoints are deleted only once the new
-    one is durable, never the new one.
+    ``trainer_state`` is ``Trainer.state_dict()``; ``device`` is the
+    training device, whose generator is saved beside the CPU's. Call it
+    after an optimizer step, before the next batch is drawn, so that the
+    data position and the random states describe the same moment. With
+    several ranks, call it on every rank: each sends its random states,
+    rank 0 alone writes, and the others return None.
+
+    The name takes the next sequence past every checkpoint name in
+    ``folder``. Nothing is written unless ``weights_only`` can read it back;
+    older checkpoints (and temporaries a crashed save left) are deleted only
+    once the new one is durable, and the new one never.
     """
     folder = Path(folder)
     if type(keep_last) is not int or keep_last < 1:
@@ -465,13 +422,16 @@ def load_training_checkpoint(
 ) -> TrainingCheckpoint:
     """Restore ``trainer`` and global generators from ``path``; return what was read.
 
-    Parse, then apply: the file, the model configuration (a different one is refused:
-    the weights would not mean the same thing) and the RNG states are checked first,
-    then ``trainer.load_state_dict`` parses its own state before it changes anything;
-    each rank's own generators (saved by as many ranks) are set last, which cannot
-    fail. The caller restores its data position from the returned ``data``. A changed
-    training configuration (a new learning rate) is applied and listed by
-    ``config_changes(trainer.config)``.
+    Parse, then apply. First the file, the model configuration (a
+    different one is refused: the weights would not mean the same thing)
+    and the random states are checked; then ``trainer.load_state_dict``
+    parses its own state before it changes anything; each rank's own
+    generators (saved by as many ranks) are set last, which cannot fail.
+
+    The caller restores its data position from the returned ``data``. A
+    changed training configuration (a new learning rate) is not an error:
+    continuing with new settings is legitimate, though no longer exact. It
+    is applied, and ``config_changes(trainer.config)`` lists it.
     """
     checkpoint = read_training_checkpoint(path)
     rank, world_size = _rank_and_world_size()

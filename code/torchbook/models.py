@@ -7,22 +7,34 @@ The GPT is the classic pre-norm transformer, written to be read top to bottom:
                   LayerNorm -> MLP (4x, GELU)                      -> + residual]
     -> final LayerNorm -> output head (weight tied to the token embedding) -> logits
 
-Positions enter through rotary position embeddings (RoPE) applied to queries and
-keys, so the model has no position-embedding parameters. ``forward`` returns
-logits only: the training loop computes the loss itself, in float32.
+Positions enter through rotary position embeddings (RoPE) applied to
+queries and keys, so the model has no position-embedding parameters.
+``forward`` returns logits only: the training loop computes the loss
+itself, in float32.
 
-Two options serve LLM training at scale. Packed rows,
-``forward(idx, position_ids=..., document_ids=...)``, hold several documents:
-positions restart at 0 in each, and attention stays inside each (a
-block-diagonal causal mask), so each is computed as if alone.
-``GPTConfig(activation_checkpointing=True)`` recomputes each block in the
-backward pass: less activation memory for one more forward.
+Two options serve LLM training at scale:
 
-Token ids and positions out of range are refused, naming the value, on the CPU.
-On an accelerator, reading them back would stall every step: check token ids
-on the host before moving them (``check_token_ids``).
+- Packed sequences: ``forward(idx, position_ids=..., document_ids=...)``
+  takes rows that hold several documents. Positions restart at 0 in each
+  document (RoPE reads them) and attention stays inside each document (a
+  block-diagonal causal mask), so each document is computed as if it were
+  alone.
+- ``GPTConfig(activation_checkpointing=True)`` keeps only each block's
+  input during the forward pass and recomputes the block in the backward
+  pass: less activation memory for one more forward.
 
-It imports only torch (plus dataclasses and math): copy it into a project as is.
+Token ids outside ``[0, vocab_size)`` and positions outside
+``[0, block_size)`` are refused with an error naming the value when the
+input is on the CPU. On an accelerator they are not checked here: reading
+them back would stall the device at every step, so check token ids on the
+host before moving them (``check_token_ids``), where a data pipeline
+already has them.
+
+It builds on ``torchbook.decoder``, which holds what the GPT shares with
+the Llama: RoPE's tables and rotation, the packed rows' mask, the id and
+position checks and GPT-2's initialisation. With that module beside it,
+it imports only torch (plus dataclasses and math): copy the two into a
+project as they are.
 """
 
 from __future__ import annotations
@@ -36,12 +48,16 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
-# Standard deviation of every weight at initialisation (GPT-2's): the first
-# logits are nearly uniform, so the first loss is close to log(vocab_size).
-INIT_STD = 0.02
-# RoPE's base: rotation frequencies run from 1 down to about 1/ROPE_BASE
-# radians per position, as in the RoFormer paper and most open LLMs.
-ROPE_BASE = 10_000.0
+from torchbook.decoder import (
+    INIT_STD,
+    apply_rope,
+    check_positions,
+    check_token_ids,
+    document_causal_mask,
+    init_weights,
+    rope_tables,
+)
+
 # Width of the MLP's hidden layer relative to d_model.
 MLP_EXPANSION = 4
 
@@ -87,103 +103,6 @@ class GPTConfig:
         return self.d_model // self.n_head
 
 
-def rope_tables(
-    head_size: int,
-    block_size: int,
-    base: float = ROPE_BASE,
-    inv_freq: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine and sine tables, each (block_size, head_size), for RoPE.
-
-    Feature pair i of position t turns by t * inv_freq[i]: base**(-2i/head_size),
-    or the frequencies given (Llama 3 rescales them), on their device. Both halves
-    carry the same angles, as ``rotate_half`` below expects (the "split halves"
-    convention of GPT-NeoX and Llama).
-    """
-    if inv_freq is None:
-        pairs = torch.arange(0, head_size, 2, dtype=torch.float32)
-        inv_freq = base ** (-pairs / head_size)
-    positions = torch.arange(block_size, dtype=torch.float32, device=inv_freq.device)
-    angles = torch.outer(positions, inv_freq)  # (block_size, head_size/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (block_size, head_size)
-    return angles.cos(), angles.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate queries or keys ``x`` (B, H, T, head_size) by their positions' angles.
-
-    The tables stay float32 under autocast; the result is cast back to x's dtype
-    so that q, k and v reach attention with one dtype.
-    """
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
-
-
-def document_causal_mask(
-    document_ids: torch.Tensor, causal_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """(B, 1, T, T) bool for packed rows: a query sees its own document's past only.
-
-    ``causal_mask`` (True on and below the diagonal: the GPT's buffer, or built
-    here) AND "same document"; the size-1 dimension broadcasts over the heads.
-    """
-    steps = document_ids.size(1)
-    same_document = document_ids[:, :, None] == document_ids[:, None, :]
-    if causal_mask is None:
-        causal_mask = torch.ones_like(same_document[0]).tril()
-    return (causal_mask[:steps, :steps] & same_document).unsqueeze(1)
-
-
-def _check_range(ids: torch.Tensor, limit: int, what: str, expected: str) -> None:
-    """Raise ValueError naming the first value of ``ids`` outside ``[0, limit)``."""
-    if ids.numel() == 0:
-        return
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= limit:
-        bad = low if low < 0 else high
-        index = tuple(int(i) for i in (ids == bad).nonzero()[0])
-        raise ValueError(f"{what} {bad} at position {index}, outside {expected}")
-
-
-def check_token_ids(
-    ids: torch.Tensor, vocab_size: int, where: str = "token ids"
-) -> None:
-    """Raise ValueError naming ``where`` and its first id outside ``[0, vocab_size)``.
-
-    Call it on host tensors (a batch before ``.to(device)``): on an accelerator,
-    reading ``ids.min()`` and ``ids.max()`` back waits for every queued kernel.
-    """
-    tokenizer = "was the data tokenized with another tokenizer?"
-    expected = f"the vocabulary [0, {vocab_size}); {tokenizer}"
-    _check_range(ids, vocab_size, f"{where} holds token id", expected)
-
-
-def masked_softmax_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    dropout_p: float = 0.0,
-    training: bool = False,
-) -> torch.Tensor:
-    """Attention written out: softmax(q k^T / sqrt(d) with masked scores at -inf) v.
-
-    ``mask`` is boolean, True where a query may look at a key. This is the
-    textbook computation that ``F.scaled_dot_product_attention(..., is_causal=True)``
-    replaces with a fused kernel that never materialises the (T, T) scores; it is
-    the reference that tests and chapters compare SDPA with.
-    """
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
-    scores = scores.masked_fill(~mask, float("-inf"))
-    weights = F.dropout(scores.softmax(dim=-1), p=dropout_p, training=training)
-    return weights @ v
-
-
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE on queries and keys."""
 
@@ -205,9 +124,13 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         """(B, T, d_model) -> (B, T, d_model).
 
-        Without ``attn_mask``, SDPA applies the causal mask itself (``is_causal=True``)
-        and no (T, T) tensor exists; a boolean ``attn_mask`` (True = may attend)
-        replaces it, for packed rows or a KV cache (``cache``: keys, values, positions).
+        Without ``attn_mask``, SDPA applies the causal mask itself
+        (``is_causal=True``) and no (T, T) tensor exists. A boolean
+        ``attn_mask`` (True = may attend) replaces it where the plain causal
+        triangle is wrong: for packed rows, and with a KV cache, where a few new
+        queries face a longer run of cached keys. ``cache`` is that layer's
+        keys and values, (2, B, H, block_size, head_size), and the position at
+        which this call's tokens start.
         """
         batch, steps, width = x.shape
         # (B, T, 3*C) -> (3, B, H, T, head_size): one matmul for q, k and v.
@@ -269,29 +192,22 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_mlp(x))
 
 
-def init_weights(module: nn.Module) -> None:
-    """Normal(0, 0.02) for linear and embedding weights, zero biases (``apply`` it).
-
-    PyTorch's Embedding default, N(0, 1), would make a tied head's first logits
-    huge; GPT-2's single small std gives near-uniform first predictions, so
-    training starts near loss = log(vocab_size). Norm layers keep their default.
-    """
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
-    if isinstance(module, nn.Linear) and module.bias is not None:
-        nn.init.zeros_(module.bias)
-
-
 class GPT(nn.Module):
     """A small decoder-only language model: (B, T) token ids -> (B, T, vocab) logits.
 
-    Its buffers are functions of the config, so they are registered with
-    ``persistent=False``: they move with ``.to()`` but stay out of ``state_dict``,
-    where they would only enlarge a checkpoint and could disagree with the config.
-    ``causal_mask`` (block_size, block_size) is bool, True on and below the
-    diagonal, for packed rows and the KV cache (``is_causal=True`` needs none);
-    ``rope_cos`` and ``rope_sin`` (block_size, head_size) are float32 tables,
-    which ``.to(dtype)`` converts while the mask stays bool.
+    Buffers, all registered with ``persistent=False``:
+
+    - ``causal_mask`` (block_size, block_size), bool, True on and below the
+      diagonal. SDPA's ``is_causal=True`` does not need it; packed rows
+      (``document_causal_mask``) and the KV cache do. It is not saved in
+      ``state_dict`` because it is a pure function of ``block_size``: the
+      config rebuilds it, and a checkpoint that carried it would only be
+      larger and could disagree with the config.
+    - ``rope_cos`` and ``rope_sin`` (block_size, head_size), float32: RoPE's
+      tables, also derived from the config, so also not saved.
+
+    Buffers move with ``.to(device)`` like parameters; ``.to(dtype)`` converts
+    the floating-point ones (the RoPE tables) and leaves the bool mask alone.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -318,9 +234,11 @@ class GPT(nn.Module):
     def _scale_residual_projections(self) -> None:
         """Re-initialise the two projections that write into the residual stream.
 
-        Each block adds two outputs to the stream, so at initialisation its
-        variance grows with the 2 * n_layer additions; GPT-2 scales their std by
-        1/sqrt(2 * n_layer), keeping the stream's scale roughly independent of depth.
+        Each block adds two outputs to the stream (attention's ``proj`` and the
+        MLP's), so at initialisation the stream's variance grows with the
+        2 * n_layer additions. GPT-2 scales their standard deviation by
+        1/sqrt(2 * n_layer), which keeps the stream's scale roughly
+        independent of depth.
         """
         std = INIT_STD / math.sqrt(2 * self.config.n_layer)
         for block in self.blocks:
@@ -337,10 +255,14 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Logits (B, T, vocab_size) for token ids ``idx`` (B, T), T <= block_size.
 
-        For packed rows, ``position_ids`` (B, T) restart at 0 in each document and
-        ``document_ids`` (B, T) say which document each token belongs to. No loss
-        here: the training loop computes cross-entropy in float32 even under autocast.
-        ``kv_cache``: see ``generate``; ``return_hidden``: the final norm's output.
+        For packed rows, ``position_ids`` (B, T) restart at 0 in each document
+        and ``document_ids`` (B, T) say which document each token belongs to.
+        ``kv_cache`` is ``generate``'s: every layer's keys and values
+        (``_empty_cache``) and the number of positions already in it.
+        ``return_hidden`` returns the final norm's output (B, T, d_model)
+        instead of the logits, for a loss computed over slices of the
+        sequence. There is no loss here: the training loop computes the
+        cross-entropy itself, in float32 even under autocast.
         """
         block_size = self.config.block_size
         start = 0 if kv_cache is None else kv_cache[1]  # positions already cached
@@ -378,8 +300,7 @@ class GPT(nn.Module):
         ):
             check_token_ids(idx, self.config.vocab_size, where="GPT.forward: idx")
             if position_ids is not None:  # RoPE's tables have a row per position
-                where = "GPT.forward: position_ids holds"
-                _check_range(position_ids, block_size, where, f"[0, {block_size=})")
+                check_positions(position_ids, block_size, "GPT.forward: position_ids")
         if position_ids is None:  # positions start..end-1, after those cached
             cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         else:  # each token's own position; (B, 1, T, head_size) broadcasts over heads
@@ -421,12 +342,16 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to the prompt ``idx`` (B, T >= 1).
 
-        Returns (B, T + max_new_tokens). Each step feeds at most the last block_size
-        tokens, divides the last logits by ``temperature``, keeps the ``top_k``
-        largest if given, and draws with ``generator`` on its device, so a CPU
-        generator draws the same numbers whatever device holds the model. Call
-        ``model.eval()`` first. ``use_cache`` keeps every layer's keys and values,
-        so a step runs one position while they fit block_size.
+        Returns (B, T + max_new_tokens). Each step feeds at most the last
+        block_size tokens, divides the last position's logits by
+        ``temperature``, keeps the ``top_k`` largest if given, and draws from
+        the softmax with ``generator``. Sampling runs on the generator's
+        device, so a CPU generator draws the same random numbers whatever
+        device holds the model. The model's train/eval mode is left as it is:
+        call ``model.eval()`` first so dropout is off. ``use_cache`` keeps
+        every layer's keys and values, so a step runs one position instead of
+        the whole context while the sequence fits block_size; past that, each
+        step runs the last block_size tokens again.
         """
         if idx.dim() != 2 or idx.size(1) == 0:  # the first draw reads the last token
             raise ValueError(
@@ -466,7 +391,11 @@ class GPT(nn.Module):
         return idx
 
     def _empty_cache(self, idx: torch.Tensor) -> torch.Tensor:
-        """Zeros (2, n_layer, B, H, block_size, head_size), autocast's dtype if on."""
+        """Zeros (2, n_layer, B, H, block_size, head_size) for keys and values.
+
+        In autocast's dtype when autocast is on, since the keys and values
+        that fill it come out of autocast's linear layers; else the weights'.
+        """
         c, device = self.config, idx.device.type
         dtype = self.token_embedding.weight.dtype
         if torch.is_autocast_enabled(device):
@@ -493,7 +422,9 @@ class TinyMLP(nn.Module):
 def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
     """Number of scalar parameters in ``model`` (by default only trainable ones).
 
-    A tied weight (the GPT's embedding and head) is one Parameter, counted once.
+    A tied weight (the GPT's embedding and head) is one Parameter, which
+    ``parameters()`` yields once, so it is counted once: the count is what is
+    stored and trained.
     """
     return sum(
         p.numel() for p in model.parameters() if p.requires_grad or not trainable_only

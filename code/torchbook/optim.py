@@ -11,13 +11,17 @@ same function in a ``LambdaLR`` for a loop of your own that calls
 ``scheduler.step()``.
 
 Torch's ``Optimizer.load_state_dict`` checks the number of groups and of
-parameters in each, but loads moments of any shape and takes every group
-setting from the file: a flipped ``amsgrad`` or a moment of another shape fails
-at the next step, and a state saved without the fused kernel turns a fused
-optimizer into one that fails under a loss scaler. ``optimizer_layout_problems``
-finds the first two before anything is loaded; ``load_optimizer_state`` keeps
-this machine's implementation flags (``fused``, ``foreach``), so a checkpoint
-moves between machines with and without the fused kernel.
+parameters in each, and nothing else. It loads a moment of any shape or
+type, a step count that is a string, the state of a parameter the model
+does not have, and takes every group setting from the file: a flipped
+``amsgrad`` or a malformed moment fails at the next step, a malformed step
+count fails half-way through the load itself, a stray parameter's state is
+saved again with every later checkpoint, and a state saved without the
+fused kernel turns a fused optimizer into one that fails under a loss
+scaler. ``optimizer_state_problems`` finds all but the last before anything
+is loaded; ``load_optimizer_state`` keeps this machine's implementation
+flags (``fused``, ``foreach``), so a checkpoint moves between machines with
+and without the fused kernel.
 """
 
 from __future__ import annotations
@@ -181,14 +185,18 @@ IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 STATE_SWITCHES = ("amsgrad",)
 
 
-def optimizer_layout_problems(
+def optimizer_state_problems(
     saved: Mapping[str, Any], optimizer: torch.optim.Optimizer
 ) -> list[str]:
-    """Where a saved ``optimizer.state_dict()``'s layout differs from ``optimizer``'s.
+    """Why a saved ``optimizer.state_dict()`` cannot load into ``optimizer``.
 
-    Empty when it fits. The layout: the number of groups and of parameters in each,
-    the ``STATE_SWITCHES``, and the shape of every moment (a tensor with dimensions
-    must have its parameter's shape; 0-dim ones are step counts).
+    Empty when it fits. Its layout: the number of groups and of parameters in
+    each, and the ``STATE_SWITCHES``. Each parameter's state: a parameter
+    the groups list, tensors only, the same names as the other parameters of
+    its group, and every moment (a tensor with dimensions) of its parameter's
+    shape; 0-dim tensors are step counts. Torch checks only the counts: it
+    loads anything else, and the next step fails, or it keeps the entry of
+    a parameter the model lacks and saves it again with every later state.
     """
     groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
     if not isinstance(groups, list) or not isinstance(saved.get("state"), Mapping):
@@ -198,7 +206,7 @@ def optimizer_layout_problems(
             f"optimizer: {len(groups)} parameter groups in the state, "
             f"{len(optimizer.param_groups)} here"
         ]
-    problems, shapes = [], {}
+    problems, shapes, group_of = [], {}, {}
     for number, (group, live) in enumerate(
         zip(groups, optimizer.param_groups, strict=True)
     ):
@@ -221,17 +229,37 @@ def optimizer_layout_problems(
                 strict=False,  # a group of another size is reported above
             )
         )
+        group_of.update(dict.fromkeys(group["params"], number))
+    held = {}  # the names each group's parameter states hold, together
     for index, entry in saved["state"].items():
-        problems += [
-            f"optimizer state of parameter {index}: "
-            f"{name!r} has shape {tuple(value.shape)}, "
-            f"the parameter {tuple(shapes[index])}"
-            for name, value in entry.items()
-            if index in shapes
-            and isinstance(value, Tensor)
-            and value.dim() > 0
-            and value.shape != shapes[index]
-        ]
+        if index in group_of and isinstance(entry, Mapping):
+            held.setdefault(group_of[index], set()).update(entry)
+    for index, entry in saved["state"].items():
+        where = f"optimizer state of parameter {index!r}"
+        if index not in group_of:
+            problems.append(
+                f"{where}: no such parameter; the state's groups list "
+                f"{len(group_of)} parameters"
+            )
+            continue
+        if not isinstance(entry, Mapping):
+            problems.append(f"{where}: a {type(entry).__name__}, expected a dict")
+            continue
+        if missing := sorted(held[group_of[index]] - set(entry)):
+            problems.append(
+                f"{where}: lacks {missing}, which other parameters of group "
+                f"{group_of[index]} hold"
+            )
+        for name, value in entry.items():
+            if not isinstance(value, Tensor):
+                problems.append(
+                    f"{where}: {name!r} is a {type(value).__name__}, expected a tensor"
+                )
+            elif value.dim() > 0 and index in shapes and value.shape != shapes[index]:
+                problems.append(
+                    f"{where}: {name!r} has shape {tuple(value.shape)}, "
+                    f"the parameter {tuple(shapes[index])}"
+                )
     return problems
 
 

@@ -1,23 +1,38 @@
 """The book's training loop: one optimizer step, written out in named parts.
 
-A step over ``accum_steps`` micro-batches counts the target tokens, runs the forward
-under ``torch.autocast`` with the loss in float32 (summed, then divided by the step's
-token count: the gradient of the *mean* loss over the whole step), backpropagates
-through the fp16 loss scaler, clips, sets the learning rate, steps and zeroes the
-gradients; the numbered comments follow that order. Losses stay on the device, read (a
-sync) every ``log_every`` steps. A NaN or inf gradient norm is recorded on the device;
-``log`` and ``state_dict`` raise ``NonFiniteLossError`` naming its step.
+A step over ``accum_steps`` micro-batches counts the target tokens, runs
+the forward under ``torch.autocast`` with the loss in float32 (summed over
+the tokens and divided by the step's count: the gradient of the *mean*
+loss over the whole step), backpropagates through the fp16 loss scaler,
+clips, sets the learning rate, steps and zeroes the gradients; the
+numbered comments follow that order.
 
-**The step is the API**: ``Trainer.train_step(micro_batches)``, called by each script in
-a short loop of its own that seeds the random numbers. It builds on
-``torchbook.device``, ``torchbook.optim``, ``torchbook.state_dicts`` and
-``torchbook.chat`` (for ``IGNORE_INDEX``, the label the loss skips).
+Losses stay on the device and are read to the host (a sync) only every
+``log_every`` steps, when a ``history`` row is written. A NaN or inf
+gradient norm is recorded on the device at its step (in fp32 and bf16
+nothing skips such a step), and ``log`` and ``state_dict`` raise
+``NonFiniteLossError`` naming that step. In fp16 the scaler skips such
+steps; the step reads the scale (a sync) to know.
 
-**Distributed.** With more than one rank the model must be DDP or FSDP2, which *average*
-gradients: the step all-reduces the token count, scales each loss by the world size (the
-gradient of the global mean, however tokens fall per rank) and synchronises gradients on
-the last micro-batch only. ``state_dict`` suits one process or DDP; FSDP2's sharded
-weights need ``torch.distributed.checkpoint``.
+**The step is the API**: ``Trainer.train_step(micro_batches)``, called by
+each script in a short loop of its own. The loop draws no random numbers:
+the caller seeds them. ``Trainer.state_dict`` and ``load_state_dict`` save
+and restore everything that continues a run exactly; what that is, and
+how a saved state is parsed whole before anything changes, is
+``torchbook.trainer_state``.
+
+It builds on ``torchbook.loss`` (the forward and the float32 loss,
+summed), ``torchbook.optim`` (the AdamW and its schedule),
+``torchbook.trainer_state``, ``torchbook.state_dicts`` (unwrapping
+``torch.compile`` and DDP) and ``torchbook.chat`` (for ``IGNORE_INDEX``,
+the label the loss skips).
+
+**Distributed.** With more than one rank the model must be DDP or FSDP2,
+which *average* gradients: the step all-reduces the token count, scales
+each loss by the world size (the gradient of the global mean, however the
+tokens fall per rank) and synchronises gradients on the last micro-batch
+only. ``state_dict`` suits one process or DDP; FSDP2's sharded weights
+need ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -32,21 +47,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from torchbook.chat import IGNORE_INDEX  # targets not scored: padding, prompts
-from torchbook.device import AUTOCAST_DTYPES, autocast
+from torchbook.device import AUTOCAST_DTYPES
+from torchbook.loss import summed_loss
 from torchbook.optim import (
     OptimizerConfig,
     apply_config,
     build_adamw,
     load_optimizer_state,
-    optimizer_layout_problems,
     set_learning_rate,
 )
-from torchbook.state_dicts import state_dict_problems, unwrap_model
+from torchbook.state_dicts import unwrap_model
+from torchbook.trainer_state import StepResult, parse_trainer_state
 
 Batch = tuple[Tensor, Tensor]  # (inputs, targets)
 # fp16 steps the scaler may skip in a row: from its initial 2**16 the scale is then
@@ -60,13 +74,20 @@ class NonFiniteLossError(RuntimeError):
 
 @dataclass
 class TrainConfig(OptimizerConfig):
-    """The loop's settings; the first six, ``OptimizerConfig``'s, make the optimizer."""
+    """Everything the loop needs besides the model and the data.
+
+    The first six fields, ``OptimizerConfig``'s, make the optimizer and the
+    schedule; the rest are the loop's own.
+    """
 
     accum_steps: int = 1  # micro-batches per optimizer step
-    max_grad_norm: float | None = 1.0  # clip the gradient norm to this; None: never
-    precision: str = "fp32"  # "fp32" | "bf16" | "fp16": the forward's autocast dtype
+    # clip the total gradient norm to this; None: no clipping
+    max_grad_norm: float | None = 1.0
+    # "fp32" | "bf16" | "fp16": the autocast dtype of the forward pass
+    precision: str = "fp32"
     log_every: int = 10  # steps between history rows, i.e. between host syncs
-    loss_chunks: int = 1  # >1: head and loss over this many slices (a GPT only)
+    # >1: the head and the loss over this many slices of the sequence (a GPT only)
+    loss_chunks: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -88,82 +109,18 @@ class TrainConfig(OptimizerConfig):
             )
 
 
-@dataclass
-class StepResult:
-    """One step's numbers; the tensors stay on the device until ``log`` reads them."""
-
-    step: int  # the step count after this step (unchanged when it was skipped)
-    lr: float  # the learning rate this step used
-    loss: Tensor  # mean loss per target token (over all ranks when distributed)
-    grad_norm: Tensor  # total gradient norm before clipping
-    target_tokens: Tensor  # the step's target tokens (over all ranks if distributed)
-    skipped: bool  # the fp16 scaler skipped it; step and schedule did not advance
-
-
-@dataclass
-class TrainerState:
-    """A ``Trainer.state_dict()``, checked: loading it cannot fail half-way."""
-
-    model: dict[str, Tensor]  # keys, shapes and dtypes checked
-    optimizer: dict[str, Any]  # layout checked: groups, parameters, moment shapes
-    scheduler: dict[str, Any]  # {} unless a scheduler was passed
-    scaler: dict[str, Any]  # {} without loss scaling (fp32, bf16)
-    step: int
-    skipped_steps: int
-    skips_in_a_row: int  # of fp16 steps, toward MAX_SKIPS_IN_A_ROW
-    history: list[dict]
-    unlogged: list[StepResult]  # the steps since the last history row
-    seconds_since_log: float  # of the unlogged steps, for tokens_per_second
-    config: dict[str, Any]
-
-
-def summed_loss(
-    model: nn.Module, x: Tensor, y: Tensor, precision: str, loss_chunks: int = 1
-) -> Tensor:
-    """The forward under autocast in ``precision``, then the cross-entropy *summed*.
-
-    Summed over ``y``'s target tokens, so the step divides by the token count of all
-    its micro-batches; outside autocast, on float32 logits, since log-softmax over a
-    large vocabulary loses digits in bf16/fp16. With ``loss_chunks`` > 1 (a GPT) the
-    head and the loss run over that many slices of the final hidden states, each under
-    ``checkpoint``: one slice's float32 logits exist at a time, backward too.
-    """
-    with autocast(x.device.type, precision):
-        out = model(x) if loss_chunks == 1 else model(x, return_hidden=True)
-    if loss_chunks == 1:
-        return _cross_entropy_sum(out, y)
-    head = unwrap_model(model).lm_head
-    pieces = zip(
-        out.chunk(loss_chunks, dim=1), y.chunk(loss_chunks, dim=1), strict=True
-    )
-    return sum(
-        checkpoint(_head_loss, head, h, t, precision, use_reentrant=False)
-        for h, t in pieces
-    )
-
-
-def _cross_entropy_sum(logits: Tensor, y: Tensor) -> Tensor:
-    return F.cross_entropy(
-        logits.float().flatten(0, -2),
-        y.flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-
-
-def _head_loss(head: nn.Module, hidden: Tensor, y: Tensor, precision: str) -> Tensor:
-    """One slice of a chunked loss: head under autocast, cross-entropy in float32."""
-    with autocast(hidden.device.type, precision):
-        logits = head(hidden)
-    return _cross_entropy_sum(logits, y)
-
-
 def _world_size() -> int:
+    """The number of ranks; 1 without a process group."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _check_model(model: nn.Module, device: torch.device) -> None:
-    """Raise unless ``model`` is on ``device`` and, with several ranks, DDP or FSDP."""
+    """Raise unless ``model`` is on ``device`` and, with several ranks, DDP or FSDP.
+
+    ``device`` is where AdamW creates its moments, so a model elsewhere
+    would fail at the first step; DDP and FSDP average gradients over the
+    ranks, which the step's scaling by the world size relies on.
+    """
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         where = tensor.device
         if where.type != device.type or device.index not in (None, where.index):
@@ -181,7 +138,12 @@ def _check_model(model: nn.Module, device: torch.device) -> None:
 
 
 def _keep_root_gathered(model: nn.Module, loss_chunks: int) -> None:
-    """FSDP2: a chunked head runs after the root's forward, on the root's weights."""
+    """FSDP2: keep the root's weights gathered after its forward for a chunked loss.
+
+    The chunked head and loss run after the root module's forward has
+    returned, on the root's weights (the tied head); resharded, they would
+    no longer be whole.
+    """
     if loss_chunks > 1 and hasattr(model, "set_reshard_after_forward"):
         # gathered until the root's backward: fully_shard's default for a root
         model.set_reshard_after_forward(False, recurse=False)
@@ -199,8 +161,12 @@ def _gradient_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextMa
 class Trainer:
     """Trains ``model`` with clipping, mixed precision and a learning-rate schedule.
 
-    The optimizer defaults to ``build_adamw``'s, its rate set by ``learning_rate``
-    unless a ``scheduler`` comes with it. ``history``: a row per ``log_every`` steps.
+    ``model`` maps inputs to logits. ``optimizer`` defaults to
+    ``build_adamw``'s, and before each step the Trainer writes
+    ``learning_rate(step, config)`` into it, unless a ``scheduler`` comes
+    with the optimizer. ``step`` counts optimizer steps (fp16 steps the
+    scaler skipped: ``skipped_steps``); ``history`` has a row per
+    ``log_every`` steps: step, loss, lr, grad_norm, tokens_per_second.
     """
 
     def __init__(
@@ -236,9 +202,11 @@ class Trainer:
     def accumulate_gradients(
         self, micro_batches: Sequence[Batch]
     ) -> tuple[Tensor, Tensor]:
-        """Parts 1-3: the step's mean loss and target tokens, as device tensors.
+        """Parts 1-3 over ``micro_batches``: the mean loss and the target tokens.
 
-        Dividing by *all* micro-batches' tokens makes the gradient one big batch's.
+        Both are tensors on the device. Each summed loss is divided by the
+        token count of *all* micro-batches, so the accumulated gradient is
+        exactly one big batch's, however the tokens are spread.
         """
         batches = [
             (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
@@ -272,7 +240,12 @@ class Trainer:
         return step_loss, target_tokens
 
     def clip_gradients(self) -> Tensor:
-        """Part 4: unscale (a scaled norm is too large), clip; the unclipped norm."""
+        """Part 4: unscale, then clip; returns the norm before clipping.
+
+        Unscaling comes first: in fp16 a scaled norm is ``scale`` times too
+        large. Without ``max_grad_norm`` the clip is at infinity, a
+        multiplication by exactly 1.0.
+        """
         self.scaler.unscale_(self.optimizer)
         parameters = [p for g in self.optimizer.param_groups for p in g["params"]]
         # None clips at infinity: a multiplication by exactly 1.0
@@ -284,7 +257,11 @@ class Trainer:
         return norm.detach()
 
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
-        """One optimizer step; one the fp16 scaler skips counts in ``skipped_steps``."""
+        """One optimizer step over ``micro_batches`` (usually ``accum_steps``).
+
+        A step the fp16 scaler skips counts in ``skipped_steps``, not ``step``,
+        and leaves the schedule where it was.
+        """
         if len(micro_batches) == 0:
             raise ValueError("Trainer.train_step: got no micro-batches")
         # fp16: GradScaler halves its scale exactly when it skips a step. Reading it is
@@ -325,7 +302,12 @@ class Trainer:
         return result
 
     def _skipped(self, scale_before: float) -> bool:
-        """Whether the scaler skipped this step (a sync); raise if it keeps skipping."""
+        """Whether the scaler skipped this step (a sync); raise if it keeps skipping.
+
+        ``GradScaler`` halves its scale exactly when it skips a step. After
+        ``MAX_SKIPS_IN_A_ROW`` skips, or at a scale of 0, no loss scale helps:
+        the overflow comes from the forward pass.
+        """
         scale = self.scaler.get_scale()
         skipped = scale < scale_before or scale == 0
         self._skips_in_a_row = self._skips_in_a_row + 1 if skipped else 0
@@ -338,7 +320,11 @@ class Trainer:
         return skipped
 
     def log(self) -> dict | None:
-        """Read the steps since the last row (a sync) into a row; None if none."""
+        """Read the steps since the last row to the host (a sync); append a row.
+
+        Returns the row, or None when no step was taken since the last one.
+        A NaN or inf norm raises ``NonFiniteLossError`` naming its step.
+        """
         steps = self._unlogged
         if not steps:
             return None
@@ -373,7 +359,12 @@ class Trainer:
             )
 
     def state_dict(self) -> dict:
-        """What continues this run exactly; live tensors: save it before training on."""
+        """Everything needed to continue this run exactly (``TrainerState``'s fields).
+
+        Tensors and plain values, which ``torch.load(weights_only=True)``
+        reads back. Like ``nn.Module.state_dict`` it holds live tensors: save
+        or clone it before training on.
+        """
         self._check_finite()  # never save the update of a non-finite step
         return {
             "model": unwrap_model(self.model).state_dict(),
@@ -390,8 +381,22 @@ class Trainer:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a ``state_dict``, parsed first: a ``ValueError`` changes nothing."""
-        state = parse_trainer_state(state, self)
+        """Restore what ``state_dict`` returned, parsed whole first.
+
+        On a ``ValueError`` nothing has changed (``parse_trainer_state``). The
+        Trainer's own optimizer then takes ``config``'s betas and weight decay;
+        a passed optimizer keeps the settings it was saved with. Without a
+        scheduler every step's rate comes from ``config``'s schedule, so a
+        changed learning rate applies at once.
+        """
+        state = parse_trainer_state(
+            state,
+            model=self.model,
+            optimizer=self.optimizer,
+            scaler=self.scaler,
+            scheduler=self.scheduler,
+            device=self.device,
+        )
         unwrap_model(self.model).load_state_dict(state.model, strict=True)
         load_optimizer_state(self.optimizer, state.optimizer)
         if self.scheduler is not None:
@@ -407,7 +412,11 @@ class Trainer:
             apply_config(self.optimizer, self.config)
 
     def add_val_loss(self, val_batches: Iterable[Batch]) -> float:
-        """Log the steps so far and add ``evaluate``'s ``val_loss`` to the row."""
+        """Write the row of the steps so far and add their ``val_loss`` to it.
+
+        Returns ``val_loss`` (``evaluate``'s). The evaluation's time is left
+        out of the next row's ``tokens_per_second``.
+        """
         if self.log() is None and not self.history:
             raise ValueError("Trainer.add_val_loss: no step has been taken yet")
         val_loss = evaluate(self.model, val_batches, self.device, self.config.precision)
@@ -423,7 +432,11 @@ def evaluate(
     device: torch.device,
     precision: str = "fp32",
 ) -> float:
-    """Mean loss per target token of ``batches``, in eval mode, with one sync."""
+    """Mean loss per target token over ``batches``, in eval mode (no dropout).
+
+    The losses and token counts add up on the device: one sync, at the end.
+    The model's mode is restored.
+    """
     was_training = model.training
     model.eval()
     total_loss = torch.zeros((), device=device)
@@ -436,65 +449,3 @@ def evaluate(
     if total_tokens.item() == 0:
         raise ValueError("evaluate: the batches hold no target tokens")
     return (total_loss / total_tokens).item()
-
-
-def parse_trainer_state(state: Mapping[str, Any], trainer: Trainer) -> TrainerState:
-    """``state`` as a ``TrainerState`` that ``trainer`` applies, or a ``ValueError``.
-
-    Applying it cannot fail half-way. Checked: ``TrainerState``'s fields; the model's
-    keys, shapes and dtypes; the optimizer's layout; the scaler's fields and a
-    scheduler on or off as in ``trainer``; the rest by type. The values inside are
-    the file's: see the trust model in ``torchbook.checkpoint``.
-    """
-    names = [field.name for field in dataclasses.fields(TrainerState)]
-    if not isinstance(state, Mapping) or set(state) != set(names):
-        found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-        raise ValueError(
-            f"Trainer.load_state_dict: expected a dict of {', '.join(names)}; "
-            f"got {found}"
-        )
-    model = state["model"]
-    problems = (
-        [f"model: {line}" for line in state_dict_problems(trainer.model, model)]
-        if isinstance(model, Mapping)
-        else [f"model: a {type(model).__name__}, expected a dict of tensors"]
-    )
-    try:
-        problems += optimizer_layout_problems(state["optimizer"], trainer.optimizer)
-    # a group or a parameter's state that is not a dict, a group without "params"
-    except (TypeError, KeyError, AttributeError) as error:
-        problems.append(f"optimizer: not an optimizer.state_dict(): {error!r}")
-    scaler, expected = state["scaler"], sorted(trainer.scaler.state_dict())  # [] if off
-    found = sorted(scaler, key=str) if isinstance(scaler, dict) else type(scaler)
-    if found != expected:
-        problems.append(f"scaler: keys {found} in the state, {expected} here")
-    scheduler, here = state["scheduler"], trainer.scheduler is not None
-    if not isinstance(scheduler, dict) or bool(scheduler) != here:
-        problems.append(f"scheduler: {bool(scheduler)} in the state, {here} here")
-    problems += [
-        f"{key}: {state[key]!r}, expected an int >= 0"
-        for key in ("step", "skipped_steps", "skips_in_a_row")
-        if type(state[key]) is not int or state[key] < 0
-    ]
-    # Copies on this trainer's device: applying them cannot fail or share with state
-    try:
-        tensors = ("loss", "grad_norm", "target_tokens")
-        parsed = {
-            "history": [dict(row) for row in state["history"]],
-            "unlogged": [
-                StepResult(
-                    **{**step, **{k: step[k].to(trainer.device) for k in tensors}}
-                )
-                for step in state["unlogged"]
-            ],
-            "seconds_since_log": float(state["seconds_since_log"]),
-            "config": dict(state["config"]),
-        }
-    except (TypeError, ValueError, KeyError, AttributeError) as error:
-        problems.append(f"history, unlogged, seconds_since_log or config: {error}")
-    if problems:
-        raise ValueError(
-            "Trainer.load_state_dict: the state does not fit this trainer; nothing was "
-            "loaded:\n  " + "\n  ".join(problems)
-        )
-    return TrainerState(**{**state, **parsed})
