@@ -21,11 +21,14 @@ from torchbook.hf_checkpoint import (
     load_pretrained,
     save_hf_folder,
 )
+from torchbook.llama import Llama, LlamaConfig
 from torchbook.lora import (
     LoRAConfig,
     LoRALinear,
     add_lora,
     lora_layers,
+    lora_optimizer,
+    lora_parameters,
     merge_lora,
     save_peft_adapter,
 )
@@ -151,3 +154,96 @@ def test_the_merged_model_cannot_be_saved_unmerged(base_folder, tmp_path):
 def test_targets_that_match_no_layer_are_refused(base_folder):
     with pytest.raises(ValueError, match="q_proj"):
         add_lora(load_pretrained(base_folder), LoRAConfig(targets=("q_proj",)))
+
+
+def tied_llama() -> nn.Module:
+    """The book's Llama with its head tied to the embedding, as small models ship."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        d_model=32,
+        mlp_size=48,
+        tie_embeddings=True,
+    )
+    return Llama(config).eval()
+
+
+def test_a_tied_head_is_refused_before_anything_changes():
+    model = tied_llama()
+    with pytest.raises(ValueError, match=r"lm_head.*token_embedding"):
+        add_lora(model, LoRAConfig(r=4, alpha=8.0, targets=("query", "lm_head")))
+    assert not lora_layers(model)  # no layer was wrapped ...
+    assert all(p.requires_grad for p in model.parameters())  # ... nor frozen
+
+
+def test_an_untied_head_merges_with_the_same_logits():
+    model = tied_llama()
+    # the recipe the refusal gives: the head gets its own copy of the matrix
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    add_lora(model, LoRAConfig(r=4, alpha=8.0, targets=("query", "lm_head")))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_B.normal_(std=0.5)
+        adapted = model(ids())
+        embedding = model.token_embedding.weight.clone()
+        merged = merge_lora(model)(ids())
+    assert torch.equal(model.token_embedding.weight, embedding)
+    torch.testing.assert_close(merged, adapted, atol=ATOL, rtol=RTOL)
+
+
+def test_adapters_on_a_bf16_base_stay_float32():
+    torch.manual_seed(0)
+    base = nn.Linear(16, 8, bias=True).to(torch.bfloat16)
+    layer = LoRALinear(base, r=2, alpha=6.0)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    assert layer.lora_A.dtype == layer.lora_B.dtype == torch.float32
+    assert base.weight.dtype == torch.bfloat16 and not base.weight.requires_grad
+    x = torch.randn(5, 16).to(torch.bfloat16)
+    # the update in float32 on the float32 input, added to the base's output in
+    # float32 and rounded once to the base's dtype (peft's LoRA Linear)
+    update = x.float() @ layer.lora_A.T @ layer.lora_B.T * 3.0
+    expected = (base(x).float() + update).to(torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+
+
+def test_add_lora_on_a_bf16_model_trains_float32_adapters(base_folder):
+    model = add_lora(load_pretrained(base_folder).to(torch.bfloat16), LORA)
+    trainable = {p.dtype for p in model.parameters() if p.requires_grad}
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    assert trainable == {torch.float32} and frozen == {torch.bfloat16}
+    model(ids()).float().square().mean().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and g.dtype == torch.float32 for g in grads)
+
+
+def test_merged_returns_a_new_layer_and_leaves_the_adapted_one_as_it_was():
+    torch.manual_seed(0)
+    layer = LoRALinear(nn.Linear(16, 8), r=2, alpha=6.0)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        before = layer(x)
+        weight = layer.base.weight.clone()
+        merged = layer.merged()
+        after = layer(x)
+    assert isinstance(merged, nn.Linear) and merged is not layer.base
+    assert torch.equal(layer.base.weight, weight)
+    assert torch.equal(after, before)  # the update is not added twice
+    torch.testing.assert_close(merged(x), before, atol=ATOL, rtol=RTOL)
+
+
+def test_the_adapter_optimizer_has_no_weight_decay_by_default(base_folder):
+    model = add_lora(load_pretrained(base_folder), LORA)
+    optimizer = lora_optimizer(model, lr=1e-3)
+    (group,) = optimizer.param_groups
+    assert group["weight_decay"] == 0.0 and group["lr"] == 1e-3
+    assert {id(p) for p in group["params"]} == {id(p) for p in lora_parameters(model)}
+    assert len(group["params"]) == 2 * len(lora_layers(model))

@@ -12,11 +12,16 @@ and PEFT initialise it), so ``B``'s first gradient is not zero. Only ``A`` and
 ``B`` train: an optimizer built from them keeps gradients and AdamW moments
 for ``r * (in + out)`` numbers per layer instead of ``in * out``.
 
-- ``LoRALinear`` wraps a frozen ``nn.Linear`` (kept as ``.base``).
+- ``LoRALinear`` wraps a frozen linear layer (kept as ``.base``): an
+  ``nn.Linear`` in any dtype, or a 4-bit one such as ``qlora.NF4Linear``
+  (QLoRA). The adapters are float32 whatever the base's dtype, as in peft.
 - ``add_lora`` wraps every linear layer whose name ends with one of
-  ``LoRAConfig.targets`` and freezes every other parameter.
+  ``LoRAConfig.targets`` and freezes every other parameter. It refuses an
+  output head tied to the embedding (see its docstring).
+- ``lora_optimizer``: AdamW over the adapters, with no weight decay by
+  default (its docstring says why).
 - ``merge_lora`` folds each adapter into its layer, ``W + (alpha / r) B A``,
-  and puts the plain ``nn.Linear`` back: the model is again the base
+  and puts a plain ``nn.Linear`` back: the model is again the base
   architecture, which any loader of it reads.
 - ``save_peft_adapter`` writes only the adapters, as the ``peft`` library does
   (``adapter_model.safetensors`` and ``adapter_config.json``), so
@@ -60,33 +65,70 @@ class LoRAConfig:
             raise ValueError("LoRAConfig.targets is empty: no layer would be adapted")
 
 
-class LoRALinear(nn.Module):
-    """A frozen ``nn.Linear`` plus ``(alpha / r) * B A``, where only A and B train."""
+def _weight_of(base: nn.Module) -> torch.Tensor:
+    """A linear layer's (out, in) weight: ``nn.Linear``'s, or a 4-bit one's decoded."""
+    return base.weight if isinstance(base, nn.Linear) else base.dequantize()
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float) -> None:
+
+def is_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear``, or a frozen stand-in for one that can ``dequantize()``
+    its weight (as ``qlora.NF4Linear``): what ``add_lora`` adapts."""
+    if isinstance(module, nn.Linear):
+        return True
+    return callable(getattr(module, "dequantize", None)) and hasattr(
+        module, "in_features"
+    )
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus ``(alpha / r) * B A``, where only A and B train.
+
+    A and B are float32 whatever the base's dtype, as peft keeps them (its
+    ``autocast_adapter_dtype=True``): a bf16 base halves the frozen weights'
+    memory, but in bf16 an AdamW step smaller than about 0.2% of the value it
+    is added to rounds away. The input is cast up for the adapters, the update
+    added to the base's output in float32, and the sum rounded once to the
+    base's dtype, as peft's LoRA ``Linear`` does. Under autocast the matmuls
+    run in autocast's dtype.
+    """
+
+    def __init__(self, base: nn.Module, r: int, alpha: float) -> None:
         super().__init__()
         self.base = base.requires_grad_(False)
         self.r, self.alpha, self.scaling = r, alpha, alpha / r
-        weight = base.weight
-        self.lora_A = nn.Parameter(
-            torch.empty(r, base.in_features, dtype=weight.dtype, device=weight.device)
-        )
-        self.lora_B = nn.Parameter(
-            torch.zeros(base.out_features, r, dtype=weight.dtype, device=weight.device)
-        )
+        device = next(t.device for t in [*base.parameters(), *base.buffers()])
+        shape = dict(device=device, dtype=torch.float32)
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **shape))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **shape))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's own init
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
         # x A^T B^T: two thin matmuls; the (out, in) product B A is never formed
+        x = x.to(self.lora_A.dtype)
         update = x @ self.lora_A.transpose(0, 1) @ self.lora_B.transpose(0, 1)
-        return self.base(x) + update * self.scaling
+        return (out + update * self.scaling).to(out.dtype)
 
     def merged(self) -> nn.Linear:
-        """The base layer with ``W + (alpha / r) B A`` as its weight."""
+        """A new frozen ``nn.Linear`` with ``W + (alpha / r) B A`` as its weight.
+
+        This layer is left as it was, so calling it still adds the update once.
+        The sum is formed in float32 and rounded once to the base's dtype; a
+        4-bit base is decoded first, so its merged layer holds the quantized
+        weights plus the update, in the dtype the base was quantized from.
+        """
         with torch.no_grad():
-            delta = (self.lora_B.float() @ self.lora_A.float()) * self.scaling
-            self.base.weight += delta.to(self.base.weight.dtype)
-        return self.base
+            weight = _weight_of(self.base)
+            delta = (self.lora_B @ self.lora_A) * self.scaling
+            merged = (weight.float() + delta).to(weight.dtype)
+        bias = self.base.bias
+        linear = nn.Linear(
+            self.base.in_features, self.base.out_features, bias is not None, "meta"
+        )
+        linear.weight = nn.Parameter(merged, requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return linear
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -94,23 +136,52 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(owner) if owner else model, attribute, module)
 
 
+def _tied(model: nn.Module, name: str) -> list[str]:
+    """The other modules that hold ``name``'s weight: an output head tied to the
+    embedding holds the embedding's matrix itself."""
+    weight = getattr(model.get_submodule(name), "weight", None)
+    if not isinstance(weight, nn.Parameter):
+        return []
+    return [
+        other
+        for other, module in model.named_modules(remove_duplicate=False)
+        if other != name and any(p is weight for p in module.parameters(recurse=False))
+    ]
+
+
 def add_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
-    """Freeze ``model`` and wrap each targeted ``nn.Linear`` in a ``LoRALinear``.
+    """Freeze ``model`` and wrap each targeted linear layer in a ``LoRALinear``.
 
     Returns ``model``, changed in place; its trainable parameters are the
-    adapters only. A ``ValueError`` says so when no layer matches the targets.
+    adapters only. A ``ValueError`` says so, before anything changes, when no
+    layer matches the targets or a target shares its weight with another
+    module. That is a tied output head: merging its adapter would add the
+    update into the embedding too (the merged model's logits then differ from
+    the adapted one's), and a saved folder would still declare the head tied.
+    peft warns in that case, and its ``target_modules="all-linear"`` leaves
+    the output head out; the book refuses it.
     """
-    model.requires_grad_(False)
     targets = [
         name
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.rpartition(".")[2] in config.targets
+        if is_linear(module) and name.rpartition(".")[2] in config.targets
     ]
     if not targets:
         raise ValueError(
-            f"add_lora: no nn.Linear in {type(model).__name__} has a name ending "
-            f"with one of {config.targets}"
+            f"add_lora: no linear layer in {type(model).__name__} has a name "
+            f"ending with one of {config.targets}"
         )
+    for name in targets:
+        tied = _tied(model, name)
+        if tied:
+            raise ValueError(
+                f"add_lora: {name} shares its weight with {tied[0]} (tied "
+                f"embeddings); merging an adapter on it would move {tied[0]} "
+                f"too. Leave {name} out of the targets, or untie it first: "
+                f"model.{name}.weight = nn.Parameter(model.{name}.weight.detach()"
+                ".clone()), and turn the config's tie flag off before saving"
+            )
+    model.requires_grad_(False)
     for name in targets:
         _replace(
             model, name, LoRALinear(model.get_submodule(name), config.r, config.alpha)
@@ -127,8 +198,32 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
     }
 
 
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapters' A and B, layer by layer: what the optimizer updates."""
+    return [
+        p for layer in lora_layers(model).values() for p in (layer.lora_A, layer.lora_B)
+    ]
+
+
+def lora_optimizer(
+    model: nn.Module, lr: float, weight_decay: float = 0.0
+) -> torch.optim.AdamW:
+    """AdamW over the adapters alone, without weight decay unless asked.
+
+    Why 0: decay pulls A and B toward zero, A's random start included, which
+    is what lets B learn; and over a fine-tune of a few hundred steps it does
+    little: each step multiplies them by ``1 - lr * weight_decay``, so 300
+    steps at lr 2e-4 and decay 0.01 shrink them by 0.06%. The QLoRA paper's
+    code sets it to 0 (regularising with LoRA dropout if at all);
+    transformers' ``Trainer`` puts A and B in its decay group but defaults to
+    ``weight_decay=0.0`` too. ``torch.optim.AdamW``'s own default is 0.01:
+    pass it to compare.
+    """
+    return torch.optim.AdamW(lora_parameters(model), lr=lr, weight_decay=weight_decay)
+
+
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its layer and put the plain ``nn.Linear`` back.
+    """Fold every adapter into its layer and put a plain ``nn.Linear`` back.
 
     Returns ``model``, changed in place. Its parameters stay frozen; call
     ``requires_grad_(True)`` to train all of them.
