@@ -12,16 +12,18 @@ import torch.nn.functional as F
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from torchbook.decoder import INIT_STD
 from torchbook.llama import (
     Llama,
     Llama3RopeScaling,
+    LlamaBlock,
     LlamaConfig,
     RMSNorm,
     Sampling,
+    filtered_logits,
     next_token,
     rope_frequencies,
 )
-from torchbook.models import INIT_STD
 
 CONFIG = LlamaConfig(
     vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, mlp_size=48
@@ -114,9 +116,63 @@ def test_generation_with_the_kv_cache_equals_rerunning_the_whole_prefix():
     assert torch.equal(model.generate(prompt, max_new_tokens=12), expected)
 
 
+def test_a_prompt_continued_through_the_cache_gives_the_logits_of_the_whole():
+    # the cache holds positions 0..4; the next 6 tokens run at once (a query
+    # at position p sees keys 0..p), as a prompt fed in two pieces
+    model = tiny_llama()
+    tokens = ids(2, 11)
+    cache = model.new_cache(2, 11, torch.device("cpu"))
+    with torch.no_grad():
+        first = model(tokens[:, :5], kv_cache=(cache, 0))
+        rest = model(tokens[:, 5:], kv_cache=(cache, 5))
+        whole = model(tokens)
+    torch.testing.assert_close(torch.cat((first, rest), 1), whole, atol=ATOL, rtol=RTOL)
+
+
+def test_generation_hands_sdpa_no_mask_where_is_causal_or_no_mask_says_it(
+    monkeypatch,
+):
+    # A mask beside enable_gqa rules out fused CUDA kernels; transformers passes
+    # none when is_causal (the prompt) or nothing (one new token, which sees
+    # every cached position) says the same.
+    masks = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        masks.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    tiny_llama().generate(ids(2, 5), max_new_tokens=4)
+    assert masks and all(mask is None for mask, _ in masks)
+    per_step = CONFIG.n_layer
+    assert all(causal for _, causal in masks[:per_step])  # the prompt
+    assert not any(causal for _, causal in masks[per_step:])  # one token each
+
+
+def test_generating_from_an_empty_prompt_is_refused_naming_the_argument():
+    with pytest.raises(ValueError, match="Llama.generate: idx"):
+        tiny_llama().generate(torch.zeros(1, 0, dtype=torch.long), 4)
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [({"head_size": 0}, "head_size"), ({"d_model": 2, "n_head": 4}, "head_size")],
+)
+def test_a_head_size_below_one_is_refused(fields, named):
+    shape = {"vocab_size": 8, "n_layer": 1, "n_head": 4, "n_kv_head": 2}
+    with pytest.raises(ValueError, match=named):
+        LlamaConfig(**{**shape, "d_model": 32, "mlp_size": 8, **fields})
+
+
+def test_the_blocks_are_llama_blocks():
+    # one name per idea: models.Block is the GPT's
+    assert all(isinstance(block, LlamaBlock) for block in tiny_llama().blocks)
+
+
 def test_the_cache_stores_only_the_key_value_heads():
     # on meta, as a memory estimate of a big model builds it: shapes, no bytes
-    cache = tiny_llama().empty_cache(batch=3, length=20, device=torch.device("meta"))
+    cache = tiny_llama().new_cache(batch=3, length=20, device=torch.device("meta"))
     assert cache.shape == (2, CONFIG.n_layer, 3, CONFIG.n_kv_head, 20, CONFIG.head_size)
 
 
@@ -172,6 +228,50 @@ def test_without_a_filter_every_token_is_drawn():
     assert set(drawn(Sampling()).tolist()) == {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        Sampling(temperature=0.7),
+        Sampling(top_k=5),
+        Sampling(top_p=0.9),
+        Sampling(temperature=0.7, top_k=20, top_p=0.8),
+    ],
+)
+def test_the_filters_keep_what_transformers_warpers_keep(sampling):
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature)])
+    if sampling.top_k is not None:
+        warpers.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p is not None:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    # 4,096 rows of 2,048 logits: in a few of them (two at this seed) a sum
+    # lands within float32 rounding of top_p, and only summing in transformers'
+    # order keeps the same tokens there
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4096, 2048, generator=generator) * 2
+    ours = filtered_logits(logits, sampling).softmax(-1)
+    theirs = warpers(None, logits.clone()).softmax(-1)
+    assert torch.equal(ours > 0, theirs > 0)  # the same tokens kept
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.8, 0.95])
+def test_top_p_where_a_sum_lands_on_p_keeps_what_transformers_keeps(top_p):
+    # 0.5 and 0.5 + 0.3 and 0.5 + 0.3 + 0.15: p itself, up to float32 rounding,
+    # which must round as transformers' does for the same tokens to stay
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = PROBS.log()
+    ours = filtered_logits(logits, Sampling(top_p=top_p)).isfinite()
+    assert torch.equal(ours, TopPLogitsWarper(top_p)(None, logits.clone()).isfinite())
+
+
 def test_the_same_seed_draws_the_same_tokens():
     model = tiny_llama()
     sampling = Sampling(temperature=0.8, top_k=20, top_p=0.9)
@@ -203,7 +303,7 @@ def test_packed_rows_cannot_use_the_kv_cache_which_keeps_no_document_ids():
     # Before this was refused, the cache's causal mask replaced the document mask
     # and a query saw the other documents of its row.
     model = tiny_llama()
-    cache = model.empty_cache(1, 6, torch.device("cpu"))
+    cache = model.new_cache(1, 6, torch.device("cpu"))
     with pytest.raises(ValueError, match="document_ids cannot be combined"):
         model(
             ids(1, 6),

@@ -14,7 +14,8 @@ from torch import nn
 from tests.tensor_checks import assert_same_tensors, snapshot
 from torchbook import weights
 from torchbook.checkpoint import CheckpointError
-from torchbook.models import GPT, GPTConfig, TinyMLP, rope_tables
+from torchbook.decoder import rope_tables
+from torchbook.models import GPT, GPTConfig, TinyMLP
 
 TINY_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32)
 # dropped name, kept name (first in sorted order)

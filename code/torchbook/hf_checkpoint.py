@@ -5,66 +5,59 @@ architecture and its sizes) and the weights, either ``model.safetensors`` or
 shards named by ``model.safetensors.index.json``. Loading it is parse, then
 apply, as in chapter 5:
 
-1. ``read_config``: config.json into a ``LlamaConfig`` (``CONFIG_KEYS`` names
-   each field), refusing by name what the module does not implement: another
-   ``model_type``, another RoPE scaling than Llama 3's, biases in attention or
-   MLP, a sliding window, another activation, quantized weights.
+1. ``read_llama_config`` (``torchbook.hf_llama_config``): config.json into a
+   ``LlamaConfig``, each field read, refused by name where the module would
+   compute something else, or ignored by name where it changes nothing.
 2. ``read_checkpoint``: every shard's header, read with ``safe_open`` (no
-   tensor data yet). Each key is renamed with ``KEY_MAP``; a missing shard, a
-   key the table does not know, or a key the index places in another file is
-   refused with the file and the key named.
-3. ``load_weights``: every name, shape and dtype compared with the model on
-   meta tensors, which have no data (``torchbook.state_dicts``' one check); only
-   then is each tensor read from its shard and copied, so a refused folder
-   leaves the model as it was.
+   tensor data yet). Each key is renamed with ``KEY_MAP``; the keys
+   transformers ignores on load (``IGNORED_KEYS``: Llama 2's stored RoPE
+   tables) are ignored by name; a missing shard, a key the table does not
+   know, or a key the index places in another file is refused with the file
+   and the key named.
+3. ``load_weights``: every name and shape compared with the model on meta
+   tensors, which have no data (``torchbook.state_dicts``' one check), and a
+   tied head stored anyway compared with the embedding; only then is each
+   tensor read from its shard, converted to its target's dtype and copied, so
+   a refused folder leaves the model as it was, and a bf16 model loaded from
+   float32 files never holds a float32 copy.
 
-``save_hf_folder`` writes the same layout back (config.json in the keys both
-transformers 4 and 5 read, shards and index through ``torchbook.weights``), and
-``LlamaForCausalLM.from_pretrained`` loads it.
+``save_hf_folder`` writes what ``save_pretrained`` writes: config.json (in the
+keys both transformers 4 and 5 read, special tokens included),
+generation_config.json, and the weights through huggingface_hub's
+``save_torch_state_dict``, which shards them as the hub does and removes an
+earlier save's weight files.
 
 What is trusted: safetensors headers and tensors (no code runs on load). A
 ``pytorch_model.bin`` is a pickle and is not read.
 
-It builds on ``torchbook.llama`` (the model), ``torchbook.weights`` (the index,
-opening a safetensors file, sharded writing) and ``torchbook.state_dicts``.
+It builds on ``torchbook.llama`` (the model), ``torchbook.hf_llama_config``
+(config.json both ways), ``torchbook.weights`` (the index, opening a
+safetensors file) and ``torchbook.state_dicts``.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+import huggingface_hub
 import torch
 from torch import nn
 
 from torchbook.files import atomic_write_text
-from torchbook.llama import Llama, Llama3RopeScaling, LlamaConfig
-from torchbook.state_dicts import CheckpointError, check_state_dict
-from torchbook.weights import (
-    SAFETENSORS_INDEX,
-    open_safetensors,
-    read_index,
-    save_sharded_safetensors,
+from torchbook.hf_llama_config import (
+    config_dtype,
+    config_json,
+    generation_config_json,
+    read_llama_config,
 )
+from torchbook.llama import Llama, LlamaConfig
+from torchbook.state_dicts import CheckpointError, check_state_dict
+from torchbook.weights import SAFETENSORS_INDEX, open_safetensors, read_index
 
 SINGLE_FILE = "model.safetensors"
-
-# config.json field -> LlamaConfig field.
-CONFIG_KEYS = {
-    "vocab_size": "vocab_size",
-    "num_hidden_layers": "n_layer",
-    "num_attention_heads": "n_head",
-    "num_key_value_heads": "n_kv_head",
-    "hidden_size": "d_model",
-    "intermediate_size": "mlp_size",
-    "head_dim": "head_size",
-    "max_position_embeddings": "max_positions",
-    "rms_norm_eps": "norm_eps",
-    "tie_word_embeddings": "tie_embeddings",
-}
 
 # Hugging Face's tensor name -> the book's; {layer} stands for the block's number.
 KEY_MAP = {
@@ -84,15 +77,24 @@ KEY_MAP = {
     "lm_head.weight": "lm_head.weight",
 }
 
+# Keys transformers ignores by name on load (modeling_utils: old checkpoints, Llama
+# 2's among them, stored each layer's RoPE frequencies, now computed from config).
+IGNORED_KEYS = ("model.layers.{layer}.self_attn.rotary_emb.inv_freq",)
+
 # safetensors' dtype names for the floating-point dtypes a Llama's weights come in.
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _match(pattern: str, key: str) -> re.Match | None:
+    """``key`` matched against a ``KEY_MAP`` pattern, ``{layer}`` any number."""
+    regex = r"(\d+)".join(re.escape(part) for part in pattern.split("{layer}"))
+    return re.fullmatch(regex, key)
 
 
 def _rename(key: str, table: dict[str, str]) -> str | None:
     """``key`` renamed by the first pattern of ``table`` it matches, else None."""
     for pattern, target in table.items():
-        regex = r"(\d+)".join(re.escape(part) for part in pattern.split("{layer}"))
-        match = re.fullmatch(regex, key)
+        match = _match(pattern, key)
         if match:
             return target.format(layer=match.group(1)) if match.groups() else target
     return None
@@ -116,109 +118,6 @@ def hf_module(name: str) -> str:
     return renamed.removesuffix(".weight")
 
 
-# ------------------------------------------------------------ config.json
-
-
-def _refusals(raw: dict[str, Any]) -> list[str]:
-    """What ``raw`` asks for that the book's Llama does not compute, in words."""
-    refused = []
-    if raw.get("model_type") != "llama":
-        refused.append(
-            f"model_type {raw.get('model_type')!r} (only 'llama' is implemented)"
-        )
-    if raw.get("hidden_act", "silu") != "silu":
-        refused.append(f"hidden_act {raw['hidden_act']!r} (SwiGLU uses 'silu')")
-    for field in ("attention_bias", "mlp_bias"):
-        if raw.get(field):
-            refused.append(f"{field}: true (the module's linear layers have no bias)")
-    if raw.get("sliding_window") is not None:
-        refused.append(
-            f"sliding_window {raw['sliding_window']} (attention here sees the "
-            "whole past)"
-        )
-    if raw.get("quantization_config") is not None:
-        refused.append(
-            "quantization_config (quantized weights are not dequantized here)"
-        )
-    return refused
-
-
-def _rope(raw: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None, str | None]:
-    """RoPE's base and scaling from transformers 5's ``rope_parameters`` or 4's keys.
-
-    The third value names a RoPE type that is refused (None when accepted).
-    """
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10_000.0)))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return theta, None, None
-    if kind != "llama3":
-        return theta, None, f"RoPE type {kind!r} (only 'default' and 'llama3')"
-    scaling = Llama3RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_positions=int(rope["original_max_position_embeddings"]),
-    )
-    return theta, scaling, None
-
-
-def read_config(path: str | Path) -> LlamaConfig:
-    """config.json -> ``LlamaConfig``; a ``CheckpointError`` names what is refused."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file; a model folder needs config.json")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as error:
-        raise CheckpointError(f"{path}: not a JSON object ({error})") from error
-    if not isinstance(raw, dict):
-        raise CheckpointError(
-            f"{path}: a JSON {type(raw).__name__}, expected an object"
-        )
-    theta, scaling, rope_refused = _rope(raw)
-    refused = _refusals(raw) + ([rope_refused] if rope_refused else [])
-    if refused:
-        raise CheckpointError(
-            f"{path}: the book's Llama does not implement " + "; ".join(refused)
-        )
-    fields = {
-        ours: raw[theirs] for theirs, ours in CONFIG_KEYS.items() if theirs in raw
-    }
-    if fields.get("n_kv_head") is None:  # older configs: full attention
-        fields["n_kv_head"] = fields.get("n_head")
-    try:
-        return LlamaConfig(**fields, rope_theta=theta, rope_scaling=scaling)
-    except (TypeError, ValueError) as error:
-        raise CheckpointError(f"{path}: {error}") from error
-
-
-def hf_config(config: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """The config.json of ``config``, in keys transformers 4 and 5 both read."""
-    raw: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None,
-    }
-    raw.update({theirs: getattr(config, ours) for theirs, ours in CONFIG_KEYS.items()})
-    if config.rope_scaling is not None:
-        scaling = asdict(config.rope_scaling)
-        raw["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": scaling["factor"],
-            "low_freq_factor": scaling["low_freq_factor"],
-            "high_freq_factor": scaling["high_freq_factor"],
-            "original_max_position_embeddings": scaling["original_max_positions"],
-        }
-    return raw
-
-
 # ------------------------------------------------------------ parse the weights
 
 
@@ -234,11 +133,19 @@ class StoredTensor:
 
 @dataclass(frozen=True)
 class HFCheckpoint:
-    """A parsed model folder: its config, and every tensor by the book's name."""
+    """A parsed model folder: its config, and every tensor by the book's name.
+
+    ``dtype`` is the one to build the model in by default: config.json's, as
+    transformers 5's ``dtype="auto"`` takes it, else the embedding's.
+    ``tied_head`` is a head stored although config.json ties it to the
+    embedding; it loads only if it equals the embedding.
+    """
 
     folder: Path
     config: LlamaConfig
     tensors: dict[str, StoredTensor]
+    dtype: torch.dtype
+    tied_head: StoredTensor | None = None
 
 
 def _weight_files(folder: Path) -> tuple[Path, dict[str, str] | None]:
@@ -259,7 +166,7 @@ def read_checkpoint(folder: str | Path) -> HFCheckpoint:
     Reads no tensor data. A ``CheckpointError`` names the file and the key.
     """
     folder = Path(folder)
-    config = read_config(folder / "config.json")
+    config = read_llama_config(folder / "config.json")
     listing, weight_map = _weight_files(folder)
     files = (
         [SINGLE_FILE]
@@ -272,41 +179,47 @@ def read_checkpoint(folder: str | Path) -> HFCheckpoint:
                 f"{listing}: names shard {filename}, which is missing"
             )
     tensors: dict[str, StoredTensor] = {}
+    tied_head, found = None, set()
     for filename in files:
         with open_safetensors(folder / filename) as handle:  # the header only
             for name in handle.keys():
                 where = folder / filename
+                found.add(name)
                 if weight_map is not None and weight_map.get(name) != filename:
                     raise CheckpointError(
                         f"{where}: holds {name!r}, which {listing.name} places in "
                         f"{weight_map.get(name)}"
                     )
+                if any(_match(pattern, name) for pattern in IGNORED_KEYS):
+                    continue  # as transformers does
                 key, header = book_key(name), handle.get_slice(name)
-                if key is None or (key == "lm_head.weight" and config.tie_embeddings):
+                if key is None:
                     raise CheckpointError(
                         f"{where}: tensor {name!r} has no place in the book's Llama"
-                        + (
-                            " (config.json ties the head to the embedding)"
-                            if key
-                            else ""
-                        )
                     )
                 if header.get_dtype() not in DTYPES:
                     raise CheckpointError(
                         f"{where}: tensor {name!r} is {header.get_dtype()}, expected "
                         f"one of {sorted(DTYPES)}"
                     )
-                shape = tuple(header.get_shape())
-                tensors[key] = StoredTensor(
-                    where, name, shape, DTYPES[header.get_dtype()]
+                stored = StoredTensor(
+                    where, name, tuple(header.get_shape()), DTYPES[header.get_dtype()]
                 )
-    unlisted = sorted(set(weight_map or {}) - {t.name for t in tensors.values()})
+                if key == "lm_head.weight" and config.tie_embeddings:
+                    tied_head = stored  # compared with the embedding before loading
+                else:
+                    tensors[key] = stored
+    unlisted = sorted(set(weight_map or {}) - found)
     if unlisted:
         raise CheckpointError(
             f"{listing}: names {unlisted[0]!r} in {weight_map[unlisted[0]]}, "
             "which does not hold it"
         )
-    return HFCheckpoint(folder, config, tensors)
+    dtype = config_dtype(folder / "config.json")
+    if dtype is None:  # the embedding's, as transformers' "auto" takes the weights'
+        embedding = tensors.get("token_embedding.weight")
+        dtype = embedding.dtype if embedding else torch.float32
+    return HFCheckpoint(folder, config, tensors, dtype, tied_head)
 
 
 # ------------------------------------------------------------ apply
@@ -315,9 +228,10 @@ def read_checkpoint(folder: str | Path) -> HFCheckpoint:
 def load_weights(model: Llama, checkpoint: HFCheckpoint | str | Path) -> Llama:
     """Copy a checkpoint's tensors into ``model``, after checking all of them.
 
-    The config must be ``model``'s, and every name, shape and dtype must fit
-    (compared on meta tensors, which have shapes and no data); then each shard
-    is opened once and its tensors copied. Nothing changes before the checks pass.
+    The config must be ``model``'s, and every name and shape must fit (compared
+    on meta tensors, which have shapes and no data); then each shard is opened
+    once and its tensors copied, each converted to the dtype of the tensor it
+    fills. Nothing changes before the checks pass.
     """
     if not isinstance(checkpoint, HFCheckpoint):
         checkpoint = read_checkpoint(checkpoint)
@@ -331,14 +245,17 @@ def load_weights(model: Llama, checkpoint: HFCheckpoint | str | Path) -> Llama:
         raise CheckpointError(
             f"{checkpoint.folder / 'config.json'}: another model; " + "; ".join(differ)
         )
-    shapes = {
-        key: torch.empty(stored.shape, dtype=stored.dtype, device="meta")
-        for key, stored in checkpoint.tensors.items()
-    }
+    targets = model.state_dict(keep_vars=True)
+    shapes = {}
+    for key, stored in checkpoint.tensors.items():
+        # copy_ converts each tensor to its target's dtype: names and shapes count
+        dtype = targets[key].dtype if key in targets else stored.dtype
+        shapes[key] = torch.empty(stored.shape, dtype=dtype, device="meta")
     if model.config.tie_embeddings and "token_embedding.weight" in shapes:
         shapes["lm_head.weight"] = shapes["token_embedding.weight"]  # one tensor
     check_state_dict(model, shapes, checkpoint.folder)
-    targets = model.state_dict(keep_vars=True)
+    if checkpoint.tied_head is not None:
+        _check_tied_head(checkpoint)
     by_file: dict[Path, list[str]] = {}
     for key, stored in checkpoint.tensors.items():
         by_file.setdefault(stored.file, []).append(key)
@@ -350,25 +267,43 @@ def load_weights(model: Llama, checkpoint: HFCheckpoint | str | Path) -> Llama:
     return model
 
 
+def _check_tied_head(checkpoint: HFCheckpoint) -> None:
+    """Refuse a stored head that differs from the embedding config.json ties it to.
+
+    transformers 5 would compute with such a head as stored, untied; the book's
+    module ties it, so only a copy of the embedding is accepted (and ignored).
+    """
+    head, embedding = checkpoint.tied_head, checkpoint.tensors["token_embedding.weight"]
+    with open_safetensors(head.file) as handle:
+        stored_head = handle.get_tensor(head.name)
+    with open_safetensors(embedding.file) as handle:
+        stored_embedding = handle.get_tensor(embedding.name)
+    if not torch.equal(stored_head.to(stored_embedding.dtype), stored_embedding):
+        raise CheckpointError(
+            f"{head.file}: holds {head.name!r}, which differs from "
+            f"{embedding.name!r}, while config.json ties them "
+            "(tie_word_embeddings: true)"
+        )
+
+
 def load_pretrained(
     folder: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
 ) -> Llama:
-    """Build the book's Llama from a model folder, in the weights' dtype or ``dtype``.
+    """Build the book's Llama from a model folder, in ``dtype`` or the folder's.
 
-    The model is built on the meta device and given uninitialised memory
-    (``to_empty``), so no random initialisation is computed and then overwritten.
+    The model is built on the meta device and given uninitialised memory in its
+    final dtype (``to_empty``), so no random initialisation is computed and
+    then overwritten, and each tensor is converted as it is copied in.
     """
     checkpoint = read_checkpoint(folder)
     with torch.device("meta"):
         model = Llama(checkpoint.config)
-    stored = checkpoint.tensors.get("token_embedding.weight")
-    model = model.to(stored.dtype if stored else torch.float32).to_empty(device=device)
+    model = model.to(dtype or checkpoint.dtype).to_empty(device=device)
     if model.config.tie_embeddings:  # to_empty gives each name its own new tensor
         model.lm_head.weight = model.token_embedding.weight
-    load_weights(model, checkpoint)
-    return model if dtype is None else model.to(dtype)
+    return load_weights(model, checkpoint)
 
 
 # ------------------------------------------------------------ save back
@@ -393,20 +328,27 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_hf_folder(model: Llama, folder: str | Path, max_shard_bytes: int) -> Path:
-    """Save ``model`` as a Hugging Face folder: config.json, shards and their index.
+    """Save ``model`` as ``save_pretrained`` does, with shards of ``max_shard_bytes``.
 
-    The shards come first and the index last (``save_sharded_safetensors``),
-    so an interrupted save leaves no index that names missing shards.
+    config.json, generation_config.json, and the weights written by
+    huggingface_hub's ``save_torch_state_dict``: one model.safetensors, or
+    shards and their index, named as the hub names them. It first removes the
+    weight files of an earlier save in ``folder``: an old model.safetensors
+    left beside new shards is the file transformers would load.
     """
     folder = Path(folder)
     try:
         tensors = hf_state_dict(model)
     except CheckpointError as error:
         raise CheckpointError(f"{folder}: not written; {error}") from error
-    dtype = model.token_embedding.weight.dtype
-    atomic_write_text(
-        folder / "config.json",
-        json.dumps(hf_config(model.config, dtype), indent=2) + "\n",
+    folder.mkdir(parents=True, exist_ok=True)
+    huggingface_hub.save_torch_state_dict(
+        tensors, folder, max_shard_size=max_shard_bytes
     )
-    save_sharded_safetensors(tensors, folder, max_shard_bytes)
+    dtype = model.token_embedding.weight.dtype
+    for name, content in (
+        ("config.json", config_json(model.config, dtype)),
+        ("generation_config.json", generation_config_json(model.config)),
+    ):
+        atomic_write_text(folder / name, json.dumps(content, indent=2) + "\n")
     return folder

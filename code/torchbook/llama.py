@@ -15,7 +15,7 @@ Llama 3.2, ...) are the book's GPT with four parts changed:
 - **RoPE with the checkpoint's base** (``rope_theta``) and, for Llama 3.1 and
   later, its rescaled frequencies. The tables and the rotation are the GPT's
   (the rotate-half layout Hugging Face checkpoints use), from
-  ``torchbook.models``, but made at each call for the positions it reaches
+  ``torchbook.decoder``, but made at each call for the positions it reaches
   instead of stored: for Llama 3.1's 131,072 positions and heads of 128
   features, stored float32 tables would take 134 MB.
 - **Grouped-query attention**: ``n_head`` query heads share ``n_kv_head`` key
@@ -26,7 +26,7 @@ No linear layer has a bias. The names are the book's (``blocks.0.attn.query``);
 ``torchbook.hf_checkpoint`` maps them to Hugging Face's. ``generate`` decodes
 greedily, or samples with temperature, top-k and top-p from a seeded generator.
 
-It builds on ``torchbook.models`` for RoPE's tables and rotation, the packed
+It builds on ``torchbook.decoder`` for RoPE's tables and rotation, the packed
 rows' mask, the token-id check and the initialisation.
 """
 
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchbook.models import (
+from torchbook.decoder import (
     apply_rope,
     check_token_ids,
     document_causal_mask,
@@ -68,7 +68,11 @@ class Llama3RopeScaling:
 
 @dataclass
 class LlamaConfig:
-    """Shape of a Llama. The defaults are those of Hugging Face's ``LlamaConfig``."""
+    """Shape of a Llama. The defaults are those of Hugging Face's ``LlamaConfig``.
+
+    The special tokens' ids change nothing the model computes; they travel with
+    it so that a folder saved back names the same tokens as the one loaded.
+    """
 
     vocab_size: int
     n_layer: int
@@ -82,16 +86,24 @@ class LlamaConfig:
     rope_scaling: Llama3RopeScaling | None = None
     norm_eps: float = 1e-6
     tie_embeddings: bool = False  # the head reuses the embedding matrix
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2  # Llama 3.1's chat models list three
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.head_size is None and self.n_head > 0:
-            self.head_size = self.d_model // self.n_head
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(
                     f"LlamaConfig.{name} must be a positive int, got {value!r}"
                 )
+        if self.head_size is None:
+            self.head_size = self.d_model // self.n_head
+        if not isinstance(self.head_size, int) or self.head_size < 1:
+            raise ValueError(
+                f"LlamaConfig.head_size must be a positive int, got "
+                f"{self.head_size!r} (d_model={self.d_model}, n_head={self.n_head})"
+            )
         if self.n_head % self.n_kv_head:
             raise ValueError(
                 f"LlamaConfig: n_head={self.n_head} must be a multiple of "
@@ -139,6 +151,23 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+@dataclass(frozen=True)
+class Mask:
+    """What SDPA is told about which keys a query sees.
+
+    ``causal`` (SDPA's ``is_causal``: query t sees keys 0..t), or ``tensor``, a
+    boolean mask (True where a query may attend), or neither: every key. As in
+    transformers, a mask tensor is built only where the other two cannot say
+    it (packed rows, several tokens after a cache): on CUDA each of SDPA's
+    fused kernels takes only some inputs (PyTorch's documentation of
+    ``scaled_dot_product_attention`` lists them), and which kernel a mask
+    beside ``enable_gqa`` leaves there, the book has not measured.
+    """
+
+    causal: bool = False
+    tensor: torch.Tensor | None = None
+
+
 class Attention(nn.Module):
     """Causal self-attention: ``n_head`` query heads share ``n_kv_head`` K/V heads."""
 
@@ -164,7 +193,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
+        mask: Mask,
         cache: tuple[torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
         """(B, T, d_model) -> (B, T, d_model).
@@ -192,8 +221,8 @@ class Attention(nn.Module):
             q,
             k,
             v,
-            attn_mask=attn_mask,
-            is_causal=attn_mask is None,
+            attn_mask=mask.tensor,
+            is_causal=mask.causal,
             enable_gqa=self.n_kv_head != self.n_head,
         )
         return self.proj(y.transpose(1, 2).reshape(batch, steps, -1))
@@ -212,7 +241,7 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-class Block(nn.Module):
+class LlamaBlock(nn.Module):
     """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -227,10 +256,10 @@ class Block(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
+        mask: Mask,
         cache: tuple[torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm_attn(x), cos, sin, attn_mask, cache)
+        x = x + self.attn(self.norm_attn(x), cos, sin, mask, cache)
         return x + self.mlp(self.norm_mlp(x))
 
 
@@ -259,6 +288,30 @@ class Sampling:
             )
 
 
+def filtered_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """``logits`` (B, vocab) in float32 after temperature, top-k and top-p.
+
+    The tokens filtered out are at -inf, so softmax gives them probability 0.
+    """
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k is not None:
+        k = min(sampling.top_k, logits.size(-1))
+        kth_largest = torch.topk(logits, k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if sampling.top_p is not None:
+        # Keeping the most likely tokens until they hold top_p is dropping the
+        # least likely while what they hold stays within 1 - top_p. Summed from
+        # the least likely, as transformers' TopPLogitsWarper sums, the two
+        # round alike and keep the same tokens where a sum lands next to p.
+        ranked, order = logits.sort(dim=-1)  # least likely first
+        dropped_mass = ranked.softmax(dim=-1).cumsum(dim=-1)
+        drop_ranked = dropped_mass <= 1 - sampling.top_p
+        drop_ranked[..., -1] = False  # the most likely token always stays
+        drop = drop_ranked.scatter(-1, order, drop_ranked)  # back to vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
 def next_token(
     logits: torch.Tensor,
     sampling: Sampling | None = None,
@@ -272,18 +325,7 @@ def next_token(
     """
     if sampling is None:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / sampling.temperature
-    if sampling.top_k is not None:
-        k = min(sampling.top_k, logits.size(-1))
-        kth_largest = torch.topk(logits, k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if sampling.top_p is not None:
-        ranked, order = logits.sort(dim=-1, descending=True)
-        probs = ranked.softmax(dim=-1)
-        # drop a token once the tokens ranked above it already hold top_p
-        drop_ranked = probs.cumsum(dim=-1) - probs >= sampling.top_p
-        drop = drop_ranked.scatter(-1, order, drop_ranked)  # back to vocabulary order
-        logits = logits.masked_fill(drop, float("-inf"))
+    logits = filtered_logits(logits, sampling)
     device = generator.device if generator is not None else logits.device
     probs = logits.softmax(dim=-1).to(device)
     return torch.multinomial(probs, 1, generator=generator).to(logits.device)
@@ -294,14 +336,14 @@ class Llama(nn.Module):
 
     No buffers: each call makes RoPE's tables for the positions it reaches
     (far smaller than the KV cache they serve), and the causal mask is SDPA's
-    ``is_causal``, or built for packed rows and the KV cache.
+    ``is_causal``, or none for one token after the cache, or built (``Mask``).
     """
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layer))
         self.norm_final = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:  # one Parameter, two uses, as in the book's GPT
@@ -354,22 +396,23 @@ class Llama(nn.Module):
             cos, sin = cos[start:], sin[start:]
         else:  # each token's own; (B, 1, T, head_size) broadcasts over the heads
             cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)
-        attn_mask = None  # SDPA's is_causal
         if document_ids is not None:  # causal, and inside one document
-            attn_mask = document_causal_mask(document_ids)
-        elif kv_cache is not None:  # query at position p sees the cached keys 0..p
+            mask = Mask(tensor=document_causal_mask(document_ids))
+        elif start == 0:  # no key before the first query: SDPA's is_causal
+            mask = Mask(causal=True)
+        elif idx.size(1) == 1:  # one new token: it sees every cached position
+            mask = Mask()
+        else:  # several after the cache: query at position p sees keys 0..p
             steps = torch.arange(start, end, device=idx.device)
-            attn_mask = steps[:, None] >= torch.arange(end, device=idx.device)
+            mask = Mask(tensor=steps[:, None] >= torch.arange(end, device=idx.device))
 
         x = self.token_embedding(idx)
         for layer, block in enumerate(self.blocks):
             cache = None if kv_cache is None else (kv_cache[0][:, layer], start)
-            x = block(x, cos, sin, attn_mask, cache)
+            x = block(x, cos, sin, mask, cache)
         return self.lm_head(self.norm_final(x))
 
-    def empty_cache(
-        self, batch: int, length: int, device: torch.device
-    ) -> torch.Tensor:
+    def new_cache(self, batch: int, length: int, device: torch.device) -> torch.Tensor:
         """Zeros (2, n_layer, B, n_kv_head, length, head_size) for keys and values.
 
         In autocast's dtype when autocast is on (the dtype k and v have then),
@@ -400,7 +443,12 @@ class Llama(nn.Module):
             raise ValueError(
                 f"Llama.generate: max_new_tokens must be >= 0, got {max_new_tokens}"
             )
-        cache = self.empty_cache(idx.size(0), idx.size(1) + max_new_tokens, idx.device)
+        if idx.dim() != 2 or idx.size(1) == 0:
+            raise ValueError(
+                "Llama.generate: idx must hold at least one token per row, shape "
+                f"(batch, time >= 1), got shape {tuple(idx.shape)}"
+            )
+        cache = self.new_cache(idx.size(0), idx.size(1) + max_new_tokens, idx.device)
         logits = self(idx, kv_cache=(cache, 0))
         for step in range(max_new_tokens):
             token = next_token(logits[:, -1], sampling, generator)
