@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from tokenizers import Tokenizer, processors
 
 from torchbook.tokenizer import (
+    END_OF_TEXT,
     SPECIAL_TOKENS,
     TokenizerError,
     cached_tokenizer,
+    encode_documents,
     encode_text,
     load_tokenizer,
     save_tokenizer,
@@ -117,3 +120,45 @@ def test_vocab_size_must_be_an_int_of_at_least_the_byte_alphabet(text_file, voca
         match=rf"vocab_size={vocab_size!r}: a byte-level BPE needs an int",
     ):
         train_bpe([text_file], vocab_size=vocab_size)
+
+
+DOCUMENTS = ["First Citizen:\nBefore we proceed.\n", "All:\nSpeak, speak.\n", "Zoë 🎭"]
+
+
+def test_each_document_ends_with_end_of_text_as_a_template_appends_it(text_file):
+    tokenizer = train_bpe([text_file], vocab_size=300)
+    end_of_text = tokenizer.token_to_id(END_OF_TEXT)
+    # the tokenizers library's own way to append a token to every encoding
+    reference = Tokenizer.from_str(tokenizer.to_str())
+    reference.post_processor = processors.TemplateProcessing(
+        single=f"$A {END_OF_TEXT}", special_tokens=[(END_OF_TEXT, end_of_text)]
+    )
+    expected = [i for document in DOCUMENTS for i in reference.encode(document).ids]
+    ids = encode_documents(tokenizer, DOCUMENTS)
+    assert ids.tolist() == expected
+    ends = [i for i, token in enumerate(ids.tolist()) if token == end_of_text]
+    lengths = [len(encode_text(tokenizer, document)) + 1 for document in DOCUMENTS]
+    assert ends == [sum(lengths[: n + 1]) - 1 for n in range(len(DOCUMENTS))]
+
+
+def test_text_that_reads_end_of_text_does_not_end_a_document(text_file):
+    tokenizer = train_bpe([text_file], vocab_size=300)
+    end_of_text = tokenizer.token_to_id(END_OF_TEXT)
+    document = f"a script that prints {END_OF_TEXT} and goes on"
+    ids = encode_documents(tokenizer, [document]).tolist()
+    assert ids.count(end_of_text) == 1 and ids[-1] == end_of_text
+    assert tokenizer.decode(ids[:-1]) == document
+    # the tokenizer's own setting is left as it was
+    assert tokenizer.encode(END_OF_TEXT).ids == [end_of_text]
+
+
+def test_one_string_is_refused_as_a_list_of_documents(text_file):
+    tokenizer = train_bpe([text_file], vocab_size=300)
+    with pytest.raises(TokenizerError, match="documents: expected strings"):
+        encode_documents(tokenizer, "one long text")
+
+
+def test_a_tokenizer_without_end_of_text_is_refused(text_file):
+    tokenizer = train_bpe([text_file], vocab_size=300, special_tokens=["<|pad|>"])
+    with pytest.raises(TokenizerError, match=r"has no <\|endoftext\|> token"):
+        encode_documents(tokenizer, DOCUMENTS)
