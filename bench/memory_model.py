@@ -1,6 +1,6 @@
 """The memory models of torchbook against measurements, small and at full size.
 
-The book's GPT (``torchbook.memory``): for each configuration (model, batch,
+The book's GPT (``torchbook.memory.gpt``): for each configuration (model, batch,
 sequence length, precision, checkpointing none / selective / full, dropout,
 chunked loss, and the loop: the book's ``Trainer.train_step`` itself, or the
 tutorial loop that keeps the logits) it predicts the saved-activation bytes
@@ -17,6 +17,9 @@ one step of transformers' own model, of peft's LoRA model and of FSDP2 over a
 fake process group of 8 ranks, on fake tensors (``torchbook.memory.check``,
 the CPU's kernels), against the prediction. Each check's seconds are printed,
 wall and CPU (the CPU time is what another process's load does not inflate).
+Last, QLoRA: a Llama that transformers loads in 4 bits (bitsandbytes' NF4)
+with peft's adapters, one real step on the CPU measured by the allocator
+(``torchbook.memory.qlora_step``), against the prediction with ``base="nf4"``.
 
 Run: ``.venv/bin/python bench/memory_model.py`` (``--device cuda`` on a GPU for
 the first part; the fake runs stay on the CPU). The last line printed is
@@ -35,14 +38,10 @@ from pathlib import Path
 
 import torch
 
-from torchbook.memory import (
-    TrainingShape,
-    kv_cache_bytes,
-    predict_memory,
-    predict_peak,
-)
+from torchbook.memory import TrainingSetup
 from torchbook.memory.check import fake_peak
 from torchbook.memory.configs import architecture
+from torchbook.memory.gpt import kv_cache_bytes, predict_memory, predict_peak
 from torchbook.memory.measure import (
     ddp_bucket_bytes,
     peak_bytes,
@@ -52,7 +51,7 @@ from torchbook.memory.measure import (
     training_step,
 )
 from torchbook.memory.peak import predict
-from torchbook.memory.step import Setup
+from torchbook.memory.qlora_step import measured_peak
 from torchbook.models import GPT, GPTConfig
 from torchbook.recompute import checkpoint_blocks_selectively
 from torchbook.train import TrainConfig, Trainer
@@ -65,7 +64,7 @@ VOCAB_SIZE = 256  # byte-level, as the book's small GPTs
 MODELS = ((2, 4, 64), (4, 4, 128))  # (n_layer, n_head, d_model)
 SHAPES = ((8, 128), (2, 512))  # (batch, sequence length)
 DDP_CONFIG = GPTConfig(VOCAB_SIZE, 64, 2, 4, 64)
-STEP = Setup(batch_size=1, seq_len=2048, device_type="cpu")
+STEP = TrainingSetup(batch_size=1, seq_len=2048, precision="bf16", kernels="cpu")
 # (public config, setup): each family, then LoRA as peft makes it, then FSDP2
 FULL_SIZE = [
     ("Llama-3.2-1B", STEP),
@@ -105,7 +104,7 @@ FULL_SIZE = [
 ]
 
 
-def build(config: GPTConfig, shape: TrainingShape, device: torch.device) -> GPT:
+def build(config: GPTConfig, shape: TrainingSetup, device: torch.device) -> GPT:
     torch.manual_seed(0)
     model = GPT(config).to(device).train()
     if shape.checkpointing == "selective":
@@ -114,7 +113,7 @@ def build(config: GPTConfig, shape: TrainingShape, device: torch.device) -> GPT:
 
 
 def measure(
-    config: GPTConfig, shape: TrainingShape, device: torch.device
+    config: GPTConfig, shape: TrainingSetup, device: torch.device
 ) -> tuple[int, int]:
     """Measured saved-activation bytes and peak bytes of one steady training step."""
     model = build(config, shape, device)
@@ -147,7 +146,7 @@ def measure(
     )
 
 
-def shapes(device_type: str) -> list[tuple[GPTConfig, TrainingShape]]:
+def shapes(kernels: str) -> list[tuple[GPTConfig, TrainingSetup]]:
     """The grid: every model and shape in both precisions, with each lever."""
     levers = [  # (checkpointing, dropout, loss_chunks, loop)
         ("none", 0.0, 1, "trainer"),
@@ -172,14 +171,14 @@ def shapes(device_type: str) -> list[tuple[GPTConfig, TrainingShape]]:
             dropout,
             activation_checkpointing=checkpointing == "full",
         )
-        shape = TrainingShape(
+        shape = TrainingSetup(
             batch,
             steps,
             precision,
-            checkpointing,
-            chunks,
-            loop,
-            device_type=device_type,
+            checkpointing=checkpointing,
+            loss_chunks=chunks,
+            loop=loop,
+            kernels=kernels,
         )
         grid.append((config, shape))
     return grid
@@ -209,8 +208,8 @@ def ddp_errors() -> list[float]:
     torch.manual_seed(0)
     measured = ddp_bucket_bytes(GPT(DDP_CONFIG))
     for bucket_view, (built, backward) in measured.items():
-        shape = TrainingShape(
-            2, 64, sharding="ddp", world_size=2, gradient_as_bucket_view=bucket_view
+        shape = TrainingSetup(
+            2, 64, parallel="ddp", ranks=2, gradient_as_bucket_view=bucket_view
         )
         memory = predict_memory(DDP_CONFIG, shape)
         print(
@@ -253,6 +252,44 @@ def full_size_errors() -> list[float]:
     return errors
 
 
+QLORA_LLAMA = {  # a Llama small enough to quantize and step on the CPU in seconds
+    "model_type": "llama",
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+}
+QLORA = TrainingSetup(
+    2, 512, precision="bf16", trains="lora", base="nf4", kernels="cpu"
+)
+
+
+def qlora_errors() -> list[float]:
+    """Measured QLoRA steps on the CPU (real tensors), against the prediction."""
+    print(
+        f"\n{'QLoRA step (4-bit base)':48s} | {'peak MB pred / meas':>24s}{'err':>7s}"
+    )
+    errors = []
+    arch = architecture(QLORA_LLAMA, "a 4-layer Llama of width 512")
+    for setup in (
+        QLORA,
+        replace(QLORA, precision="bf16-pure", lora_targets=("all-linear",)),
+    ):
+        measured = measured_peak(arch, setup)
+        predicted = predict(arch, setup).peak
+        errors.append(abs(predicted / measured - 1))
+        targets = ",".join(setup.lora_targets) or "peft's targets"
+        name = f"{setup.batch_size}x{setup.seq_len} {setup.precision} {targets}"
+        print(
+            f"{name:48s} | {predicted / 1e6:>11.2f} / {measured / 1e6:>10.2f}"
+            f"{predicted / measured - 1:>+7.1%}",
+            flush=True,
+        )
+    return errors
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
@@ -285,6 +322,7 @@ def main() -> int:
     if device.type == "cpu":
         errors += [abs(error) for error in ddp_errors()]
     errors += full_size_errors()
+    errors += qlora_errors()
     worst = max(errors)
     print(f"largest memory prediction error: {worst:.1%}")
     return 0 if worst <= MAX_ERROR else 1

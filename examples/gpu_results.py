@@ -69,8 +69,9 @@ from torchbook.book.results import (
     write_result,
 )
 from torchbook.device import AUTOCAST_DTYPES, timed
-from torchbook.memory import TrainingShape, predict_peak
+from torchbook.memory import TrainingSetup
 from torchbook.memory.flops import matmul_flops_per_second, throughput_metrics
+from torchbook.memory.gpt import predict_peak
 from torchbook.memory.measure import peak_bytes, state_bytes, training_step
 from torchbook.models import GPT, GPTConfig
 
@@ -103,7 +104,7 @@ class Output(NamedTuple):
             sources = sorted({*sources, *dry_run})
             metrics = {
                 **metrics,
-                "dry_run.peak_bytes": self.fake.peak,
+                "dry_run.peak_bytes": self.fake.memory.peak,
                 "dry_run.placeholder_reads": sum(self.fake.placeholders.values()),
             }
         provenance = make_provenance(
@@ -132,7 +133,7 @@ class Output(NamedTuple):
         buffers and the batch too.
         """
         if self.fake:
-            return self.fake.live + self.fake.peak_bytes(step)
+            return self.fake.memory.live + self.fake.memory.peak_bytes(step)
         states = state_bytes(model, optimizer)
         existing = states["parameters"] + states["optimizer_states"]
         return existing + peak_bytes(step, device)
@@ -316,8 +317,11 @@ def run_memory(out: Output, profile: Profile, sizes: MemorySizes) -> Path:
     )
     metrics["predicted_peak_bytes"] = predict_peak(
         config,
-        TrainingShape(
-            sizes.batch_size, steps, profile.precision, device_type=profile.device.type
+        TrainingSetup(
+            sizes.batch_size,
+            steps,
+            profile.precision,
+            kernels="cpu" if profile.device.type == "cpu" else "cuda",
         ),
     )
     seconds = time.perf_counter() - started
@@ -399,7 +403,7 @@ def dry_run(folder: Path, profile: Profile, runs: list[str]) -> list[Path]:
                 f"{caller} {count}" for caller, count in mode.placeholders.items()
             )
             print(
-                f"  {path.name}: peak of fake tensors "
+                f"  {path.name}: peak of tracked tensors "
                 f"{result.metrics['dry_run.peak_bytes'] / 1e9:.3f} GB; "
                 f"placeholders read: {made_up or 'none'}",
                 flush=True,

@@ -313,3 +313,172 @@ def test_fsdp2_in_bf16_trains_to_ddps_losses_as_the_gpu_profile_runs_it(tmp_path
         "allreduce": 2,
         "all_reduce": 1,
     }
+
+
+class CudaStandIn(torch.Tensor):
+    """A CPU tensor that says it is on CUDA and refuses what CUDA refuses: one
+    operation on it and on a CPU tensor of one or more dimensions (a CPU scalar may
+    meet a CUDA tensor, as TensorIterator allows). ``.cpu()`` gives back a plain
+    CPU tensor; whatever else it computes stays a stand-in."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from torch.utils import _pytree
+
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cpu:
+            return torch.Tensor.as_subclass(args[0], torch.Tensor).clone()
+        leaves = _pytree.tree_leaves((args, kwargs))
+        on_cpu = [
+            leaf
+            for leaf in leaves
+            if isinstance(leaf, torch.Tensor)
+            and not isinstance(leaf, cls)
+            and leaf.dim() > 0
+        ]
+        if on_cpu:
+            name = getattr(func, "__name__", str(func))
+            raise RuntimeError(
+                f"{name}: Expected all tensors to be on the same device, but found "
+                "at least two devices, cuda:0 and cpu!"
+            )
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def on_cuda_stand_in(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every parameter, and every gradient it gets, a stand-in."""
+    for module in model.modules():
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            stand_in = parameter.detach().as_subclass(CudaStandIn)
+            setattr(module, name, torch.nn.Parameter(stand_in))
+    for parameter in model.parameters():
+        # autograd's engine hands back plain tensors; on CUDA the gradient of a
+        # parameter on CUDA is on CUDA
+        parameter.register_post_accumulate_grad_hook(
+            lambda p: setattr(p, "grad", p.grad.as_subclass(CudaStandIn))
+        )
+    return model
+
+
+def test_the_cuda_stand_in_refuses_a_cpu_tensor_as_cuda_does():
+    on_cuda = torch.rand(10).as_subclass(CudaStandIn)
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.quantile(on_cuda, torch.tensor([0.5]))
+    assert (on_cuda * torch.tensor(2.0)).device.type == "cuda"  # a scalar may meet it
+    assert type(on_cuda.cpu()) is torch.Tensor
+
+
+def test_drill_3s_step_sizes_cell_keeps_each_operation_on_one_device(capsys):
+    """The lab's quantiles of AdamW's and SGD's first steps, on the gpu profile:
+    the model, its gradients, the optimizers' state and the batch on CUDA."""
+    from torchbook.book.download import mnist_root
+    from torchbook.book.lab import fresh_model
+    from torchbook.book.mnist import resident_batches, resident_mnist
+
+    cell, inline = cell_and_inline_values("10-lab.qmd", "torch.quantile(")
+    cpu = active_profile()
+    images, labels = resident_mnist(mnist_root(), train=True, device="cpu")
+
+    def batches_on_cuda(images, labels, batch_size, generator):
+        for batch in resident_batches(images, labels, batch_size, generator):
+            yield tuple(tensor.as_subclass(CudaStandIn) for tensor in batch)
+
+    def fresh_model_on_cuda(hidden, seed, device):
+        assert device.type == "cuda"
+        return on_cuda_stand_in(fresh_model(hidden, seed, torch.device("cpu")))
+
+    namespace = {
+        "torch": torch,
+        "F": torch.nn.functional,
+        "profile": types.SimpleNamespace(device=torch.device("cuda"), seed=cpu.seed),
+        "sizes": cpu.lab,
+        "data": types.SimpleNamespace(train_images=images, train_labels=labels),
+        "resident_batches": batches_on_cuda,
+        "fresh_model": fresh_model_on_cuda,
+        # what the prose after the cell also reads, from the cells before it
+        "adamw_accuracies": [0.98],
+        "sgd_accuracies": [0.98],
+        "max_optimizer_gap": 0.01,
+    }
+    exec(cell, namespace)
+    exec(inline, namespace)
+    assert set(namespace["step_sizes"]) == {"AdamW", "SGD"}
+    assert "AdamW: step / learning rate" in capsys.readouterr().out
+
+
+def run_profiler_cell(monkeypatch, events: list) -> dict:
+    """Chapter 6's profiler cell on the gpu profile, the profiler giving ``events``."""
+    cell, inline = cell_and_inline_values("06-devices.qmd", "torch.profiler.profile(")
+
+    class FakeProfiler:
+        def __init__(self, activities):
+            assert torch.profiler.ProfilerActivity.CUDA in activities
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfiler)
+    namespace = {
+        "os": os,
+        "torch": torch,
+        "profile": cuda_profile(),
+        "trainers": {"eager": types.SimpleNamespace(train_step=lambda batch: None)},
+        "step_batch": None,
+        "synchronize": lambda device: None,
+    }
+    exec(cell, namespace)
+    exec(inline, namespace)
+    return namespace
+
+
+def test_the_profiler_cell_ranks_host_time_when_no_cuda_kernel_was_recorded(
+    monkeypatch, capsys
+):
+    from torch.autograd import DeviceType
+
+    # Where the profiler cannot trace the GPU (CUPTI unavailable), it still records
+    # the host's operations, with no kernel events and no device time.
+    events = [
+        fake_event("aten::mm", DeviceType.CPU, self_cpu=30, count=4),
+        fake_event("aten::add", DeviceType.CPU, self_cpu=10),
+        fake_event("cudaLaunchKernel", DeviceType.CPU, self_cpu=60, count=5),
+    ]
+    namespace = run_profiler_cell(monkeypatch, events)
+    assert namespace["total_us"] == 100  # the host's time
+    assert [event.key for event in namespace["top"]] == [
+        "cudaLaunchKernel",
+        "aten::mm",
+        "aten::add",
+    ]
+    assert namespace["matmul_share"] == pytest.approx(0.3)
+    assert "no CUDA kernel" in capsys.readouterr().out
+
+
+def test_the_numpy_cell_shows_the_requires_grad_error_on_an_accelerator(capsys):
+    from torchbook.book.diagrams import show_error
+
+    cell, _ = cell_and_inline_values("01-tensors.qmd", "away_device =")
+    failing_calls = cell.split("\narray = ")[0]  # the fixes copy to the host
+    # The meta device stands in for CUDA: `.numpy()` checks a tensor's device
+    # before anything else, and refuses every device but the CPU alike.
+    namespace = {
+        "torch": torch,
+        "profile": types.SimpleNamespace(device=torch.device("meta")),
+        "x_bf16": torch.ones(3, dtype=torch.bfloat16),
+        "show_error": show_error,
+    }
+    exec(failing_calls, namespace)
+    shown = [line for line in capsys.readouterr().out.splitlines() if ": " in line]
+    assert namespace["refused"] == ["requires_grad", "meta", "bfloat16"]
+    assert "requires grad" in shown[0]
+    assert "meta" in shown[1]

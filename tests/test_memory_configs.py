@@ -10,8 +10,8 @@ import torch
 from torchbook.memory.configs import (
     FAMILIES,
     architecture,
-    hf_config,
-    read_config,
+    read_config_json,
+    to_transformers_config,
     with_overrides,
 )
 
@@ -157,7 +157,7 @@ def test_absent_keys_take_transformers_defaults(config):
 
 def test_the_check_builds_the_same_model_from_the_architecture():
     arch = architecture(REAL_CONFIGS["Qwen2.5-0.5B"])
-    assert transformers_count(hf_config(arch)) == arch.parameter_count()
+    assert transformers_count(to_transformers_config(arch)) == arch.parameter_count()
 
 
 def test_llama3_rope_scaling_changes_no_parameter():
@@ -167,7 +167,7 @@ def test_llama3_rope_scaling_changes_no_parameter():
 
 
 def test_the_books_gpt_config_counts_the_books_gpt():
-    from torchbook.memory import parameter_count
+    from torchbook.memory.gpt import parameter_count
     from torchbook.models import GPT, GPTConfig
 
     config = GPTConfig(vocab_size=96, block_size=64, n_layer=2, n_head=4, d_model=32)
@@ -240,19 +240,45 @@ def test_impossible_shapes_are_refused_by_name():
     config = REAL_CONFIGS["Llama-3-8B"]
     with pytest.raises(ValueError, match="heads=32 must be a multiple of kv_heads=5"):
         architecture(with_overrides(config, {"kv_heads": 5}))
-    with pytest.raises(ValueError, match="layers must be a positive int, got 0"):
+    with pytest.raises(
+        ValueError, match="num_hidden_layers must be a positive integer, got 0"
+    ):
         architecture(with_overrides(config, {"layers": 0}))
 
 
 def test_a_file_that_is_no_config_is_refused_with_its_path(tmp_path):
     missing = tmp_path / "nothing.json"
     with pytest.raises(ValueError, match="nothing.json: no such file"):
-        read_config(missing)
+        read_config_json(missing)
     broken = tmp_path / "broken.json"
     broken.write_text("{", encoding="utf-8")
     with pytest.raises(ValueError, match="broken.json: not JSON"):
-        read_config(broken)
+        read_config_json(broken)
     listed = tmp_path / "list.json"
     listed.write_text(json.dumps([1, 2]), encoding="utf-8")
     with pytest.raises(ValueError, match="list.json: holds a JSON list"):
-        read_config(listed)
+        read_config_json(listed)
+
+
+SMALL_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+}
+
+
+def test_null_key_value_heads_are_the_query_heads_as_in_transformers():
+    config = {**SMALL_LLAMA, "num_key_value_heads": None}
+    assert architecture(config).kv_heads == 4
+    assert architecture(config).parameter_count() == transformers_count(config)
+
+
+def test_zero_key_value_heads_are_refused_as_transformers_refuses_them():
+    config = {**SMALL_LLAMA, "num_key_value_heads": 0}
+    with pytest.raises(ZeroDivisionError):  # transformers cannot build it
+        transformers_count(config)
+    with pytest.raises(ValueError, match="c.json: num_key_value_heads must be a pos"):
+        architecture(config, "c.json")

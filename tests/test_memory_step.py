@@ -14,10 +14,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from torchbook.memory import TrainingSetup
 from torchbook.memory.check import build_model, fake_peak, make_optimizer, step_loss
 from torchbook.memory.configs import architecture
 from torchbook.memory.peak import predict
-from torchbook.memory.step import Setup, activation_terms, state_bytes
+from torchbook.memory.step import activation_terms, state_bytes
 
 SMALL = {  # every family's layout at a size a test runs in a second
     "llama": {
@@ -59,7 +60,7 @@ SMALL = {  # every family's layout at a size a test runs in a second
         "n_positions": 256,
     },
 }
-SETUP = Setup(batch_size=2, seq_len=64, device_type="cpu")
+SETUP = TrainingSetup(batch_size=2, seq_len=64, precision="bf16", kernels="cpu")
 VARIANTS = {
     "bf16 autocast": {},
     "fp32": {"precision": "fp32"},
@@ -75,7 +76,7 @@ VARIANTS = {
 }
 
 
-def saved_bytes(arch, setup: Setup) -> int:
+def saved_bytes(arch, setup: TrainingSetup) -> int:
     """Bytes autograd saves in transformers' forward and loss, each storage once."""
     torch.manual_seed(0)
     model = build_model(arch, setup)
@@ -179,7 +180,7 @@ def test_the_peak_is_within_five_percent_of_a_fake_run(family, changes):
     "changes, reason",
     [
         ({"ranks": 8}, "ranks=8 with parallel='none'"),
-        ({"bucket_view": True}, "bucket_view is DDP's"),
+        ({"gradient_as_bucket_view": True}, "gradient_as_bucket_view is DDP's"),
         ({"reshard_after_forward": False}, "reshard_after_forward is FSDP2's"),
         ({"trains": "frozen"}, "a frozen model has no optimizer"),
         ({"lora_targets": ("q_proj",)}, "lora_targets without trains='lora'"),
@@ -188,6 +189,8 @@ def test_the_peak_is_within_five_percent_of_a_fake_run(family, changes):
         ({"parallel": "fsdp", "loss_chunks": 2}, "a chunked loss runs outside"),
         ({"precision": "fp8"}, "precision='fp8'"),
         ({"batch_size": 0}, "batch_size must be >= 1"),
+        ({"base": "nf4"}, "base='nf4' is QLoRA's frozen base"),
+        ({"trains": "lora", "base": "nf4", "precision": "fp16"}, "not fp16"),
     ],
 )
 def test_a_meaningless_setup_is_refused_with_its_reason(changes, reason):
@@ -211,7 +214,7 @@ def test_what_the_formula_does_not_count_is_refused(family, changes, reason):
 
 def test_only_gpt2s_gelu_and_dropout_differ_between_cpu_and_cuda():
     llama = architecture(SMALL["llama"])
-    on = {device: replace(SETUP, device_type=device) for device in ("cpu", "cuda")}
+    on = {kernels: replace(SETUP, kernels=kernels) for kernels in ("cpu", "cuda")}
     assert activation_terms(llama, on["cpu"]) == activation_terms(llama, on["cuda"])
     gpt2 = architecture(SMALL["gpt2"])
     cpu, cuda = (activation_terms(gpt2, on[device])["blocks"] for device in on)
@@ -231,5 +234,7 @@ def test_sharding_divides_what_each_scheme_shards():
         for kind in ("parameters", "gradients", "optimizer_states"):
             expected = -(-alone[kind] // 4) if kind in divided else alone[kind]
             assert sharded[kind] == expected, (parallel, kind)
-    ddp = state_bytes(arch, replace(SETUP, parallel="ddp", ranks=2, bucket_view=True))
+    ddp = state_bytes(
+        arch, replace(SETUP, parallel="ddp", ranks=2, gradient_as_bucket_view=True)
+    )
     assert (ddp["gradients"], ddp["gradient_buckets"]) == (0, alone["gradients"])

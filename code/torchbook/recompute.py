@@ -3,11 +3,14 @@
 Full checkpointing (``GPTConfig(activation_checkpointing=True)``) keeps only
 each block's input and runs the whole block again in the backward pass: one
 more forward of every matmul. Selective checkpointing chooses per operation.
-The policy here is PyTorch's per-operation selective checkpointing as
-torchtitan's op-level option applies it to each block: the outputs of the
+The policy here is PyTorch's per-operation selective checkpointing, applied to
+each block as torchtitan's op-level option applies it: the outputs of the
 matmuls and of attention are kept, and everything else (LayerNorm, GELU, RoPE,
 the residual adds, autocast's weight copies) is recomputed, which costs a few
-operations per number instead of a multiply-add per weight. (The selective
+operations per number instead of a multiply-add per weight. torchtitan's own
+policy keeps every second matmul's output only and recomputes the others,
+halving what the matmuls keep for running half of them again; this one keeps
+them all. (The selective
 recomputation of Korthikanti et al. 2022 chooses the other way round: it
 recomputes attention's core, the scores, their softmax and dropout and the
 product with the values, whose activations are large and FLOPs few.)

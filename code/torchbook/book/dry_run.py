@@ -18,8 +18,10 @@ false): fake values are assumed healthy, so the NaN check and the fp16
 scaler's overflow check take their normal path. ``SWITCHED`` lists what the
 dry run does instead of what cannot run on fake tensors; the dry run prints it.
 
-``FakeRun`` also tracks memory: the bytes of every fake tensor an operation
-creates, until it is freed, and their peak. A kernel's own scratch (what it
+The run's memory is tracked by the book's one tracker,
+``torchbook.memory.tracker.PeakTracker`` (PyTorch's ``MemTracker``), which
+``fake_run`` enters over the fake mode: the bytes of every tensor an operation
+returns, until it is freed, and their peak. A kernel's own scratch (what it
 allocates and frees inside itself, such as the CPU attention backward's
 buffers or a bf16 matmul's temporary copies) is not a tensor any operation
 returns, so the peak is a lower bound: the real one exceeds it by at most the
@@ -33,7 +35,8 @@ path).
 
 It builds on ``torchbook.book.charlm`` (chapter 3's configs), ``torchbook.models``,
 ``torchbook.train``, ``torchbook.book.lab`` (the MLP and its epoch),
-``torchbook.memory`` and ``torchbook.book.gpu_fit`` (the formulas),
+``torchbook.memory``, ``torchbook.memory.gpt`` and ``torchbook.book.gpu_fit``
+(the formulas), ``torchbook.memory.tracker`` (the memory),
 ``torchbook.memory.measure`` (chapter 7's training step) and
 ``torchbook.book.profiles`` (the gpu sizes).
 """
@@ -42,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import weakref
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -66,8 +69,10 @@ from torchbook.book import lab
 from torchbook.book.charlm import model_config, train_config
 from torchbook.book.gpu_fit import mlp_peak
 from torchbook.book.profiles import Profile
-from torchbook.memory import TrainingShape, predict_peak
+from torchbook.memory import TrainingSetup
+from torchbook.memory.gpt import predict_peak
 from torchbook.memory.measure import training_step
+from torchbook.memory.tracker import PeakTracker
 from torchbook.models import GPT, GPTConfig
 from torchbook.train import Trainer
 
@@ -88,7 +93,8 @@ SWITCHED = {
         "nothing: the fake tensors are already on the one fake device"
     ),
     "peak memory (the allocator's records)": (
-        "the bytes of the fake tensors, tracked as they are created and freed"
+        "the bytes of the tensors each operation returns, tracked as they are "
+        "created and freed (torchbook.memory.tracker)"
     ),
     "timings, tokens per second and MFU": (
         "measured, but of fake operations: meaningless"
@@ -105,6 +111,8 @@ _ASSUMED = {  # a fake tensor's values are taken to be finite (isfinite: see bel
 # The fp16 scaler's overflow check: with finite values it finds nothing, so the
 # flag it writes into stays the real 0 it was.
 _FINITE_CHECK = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+# torch.compile's warning about the tracker's global module hooks (see fake_run)
+GLOBAL_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global hooks"
 # the originals of what ``fake_run`` switches
 _COMPILE, _MODULE_TO, _ISFINITE = torch.compile, nn.Module.to, torch.isfinite
 
@@ -132,18 +140,16 @@ class FakeRun(FakeTensorMode):
     """Fake tensors for what the model computes; real ones for data and scalars.
 
     ``placeholders`` counts the values read from fake tensors, by caller;
-    ``peak`` is the most bytes of fake tensors alive at once.
+    ``memory`` tracks the tensors' bytes once ``fake_run`` has entered it.
     """
 
     def __init__(self) -> None:
         # the data a run reads from disk is real, and becomes fake when it meets
         # the model
         super().__init__(allow_non_fake_inputs=True)
-        self.live = self.peak = 0
-        self._windows: list[int] = []  # the peaks of open ``peak_bytes`` calls
+        self.memory = PeakTracker()
         self.placeholders: Counter[str] = Counter()
         self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._counted: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storages
         self._depth = 0  # > 0 inside a fake kernel, which may call operations
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:
@@ -176,7 +182,6 @@ class FakeRun(FakeTensorMode):
             return func(*args, **kwargs)  # a new scalar (a counter): real
         if func is not _FINITE_CHECK:
             self._note_writes(func, args, kwargs)
-        self._count_new(func, out)
         return out
 
     def known(self, tensor: torch.Tensor) -> bool:
@@ -202,46 +207,6 @@ class FakeRun(FakeTensorMode):
             for tensor in pytree.tree_leaves(value):
                 if torch.is_tensor(tensor) and not is_fake(tensor):
                     self._written[tensor] = True
-
-    def _count_new(self, func, out: Any) -> None:
-        """Add the storages of the outputs that are new tensors, each once.
-
-        A view or an in-place result (an output the schema declares an alias)
-        is not new; ``_unsafe_view`` is one that the schema does not declare.
-        """
-        returns = func._schema.returns
-        outputs = out if isinstance(out, (tuple, list)) and len(returns) > 1 else [out]
-        for declared, value in zip(returns, outputs, strict=False):
-            if declared.alias_info is not None:
-                continue
-            for tensor in pytree.tree_leaves(value):
-                if is_fake(tensor) and tensor.untyped_storage() not in self._counted:
-                    storage = tensor.untyped_storage()
-                    self._counted[storage] = True
-                    self._allocate(storage.nbytes())
-                    weakref.finalize(storage, self._free, storage.nbytes())
-
-    def _allocate(self, size: int) -> None:
-        self.live += size
-        self.peak = max(self.peak, self.live)
-        self._windows = [max(peak, self.live) for peak in self._windows]
-
-    def _free(self, size: int) -> None:
-        self.live -= size
-
-    def peak_bytes(self, step: Callable[[], object]) -> int:
-        """Most bytes of fake tensors ``step()`` adds at once to those alive before.
-
-        ``memory.measure.peak_bytes`` for a fake run: what it measures with the
-        allocator's records.
-        """
-        before = self.live
-        self._windows.append(before)
-        try:
-            step()
-        finally:
-            peak = self._windows.pop()
-        return peak - before
 
 
 def _traced_only(model: Any = None, **options: Any) -> Any:
@@ -286,7 +251,10 @@ def fake_run() -> Iterator[FakeRun]:
 
     ``torch.compile`` traces with aot_eager instead of generating Inductor's
     kernels, a model's move to the fake device is left out, and drill 6
-    (saving and reloading the lab's model) does not run.
+    (saving and reloading the lab's model) does not run. The tracker's module
+    hooks (``MemTracker`` tells forward from backward with them) make
+    ``torch.compile(module)`` warn that global hooks fire once more for the
+    compiled wrapper; they record nothing here, so the warning is silenced.
     """
     mode = FakeRun()
 
@@ -294,7 +262,9 @@ def fake_run() -> Iterator[FakeRun]:
         return _assumed_finite(mode, tensor)
 
     with (
+        warnings.catch_warnings(),
         mode,
+        mode.memory,  # over the fake mode: it sees what each operation returns
         torch.device(FAKE_DEVICE),
         mock.patch.object(torch, "isfinite", finite),
         mock.patch.object(torch.Tensor, "isfinite", finite),
@@ -302,6 +272,7 @@ def fake_run() -> Iterator[FakeRun]:
         mock.patch.object(nn.Module, "to", _to_on_fake_device),
         mock.patch.object(lab, "save_and_reload", _drill_6_not_run),
     ):
+        warnings.filterwarnings("ignore", message=GLOBAL_HOOKS_WARNING)
         yield mode
 
 
@@ -315,13 +286,13 @@ Built = tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]
 class GpuStep:
     """One training step the book takes on a GPU, as a builder of its fake version.
 
-    ``formula`` is ``predict_peak`` with the CPU's kernels, which the fake step
-    runs; ``formula_cuda`` with CUDA's, which the fit table uses.
+    ``formula_cpu`` is ``predict_peak`` with the CPU's kernels, which the fake
+    step runs; ``formula_cuda`` with CUDA's, which the fit table uses.
     """
 
     name: str
     build: Callable[[], Built]  # called under the fake mode
-    formula: int
+    formula_cpu: int
     formula_cuda: int
 
 
@@ -329,14 +300,15 @@ def fake_peak_bytes(build: Callable[[], Built]) -> int:
     """Peak bytes of one training step on fake tensors, once AdamW has its states.
 
     The first step makes the optimizer's states (as a real run's first step
-    does); the second is tracked. The peak counts every fake tensor alive: the
+    does); the second is tracked. The peak counts every tensor alive: the
     parameters, buffers, optimizer states and the batch too, as a GPU's
-    allocator would count them.
+    allocator would count them. ``torchbook.memory.tracker.fake_step_peak``
+    does the same under a plain fake mode.
     """
     with fake_run() as mode:
         _, _, step = build()
         step()
-        return mode.live + mode.peak_bytes(step)
+        return mode.memory.live + mode.memory.peak_bytes(step)
 
 
 def gpt_step(
@@ -363,11 +335,11 @@ def formulas(
     return tuple(
         predict_peak(
             config,
-            TrainingShape(
-                batch_size, config.block_size, precision, loop=loop, device_type=kind
+            TrainingSetup(
+                batch_size, config.block_size, precision, loop=loop, kernels=kernels
             ),
         )
-        for kind in ("cpu", "cuda")
+        for kernels in ("cpu", "cuda")
     )
 
 
@@ -426,7 +398,7 @@ def gpu_steps(profile: Profile, char_vocab_size: int) -> dict[str, GpuStep]:
             *formulas(lm_config, lm.batch_size, profile.precision),
         ),
         "lab": GpuStep(
-            f"ch. 9 lab MLP, batch {sizes.batch_size}", lab_build, lab_peak, lab_peak
+            f"ch. 10 lab MLP, batch {sizes.batch_size}", lab_build, lab_peak, lab_peak
         ),
         "memory": gpt_step(longest, memory.batch_size, profile.precision),
         # chapter 7's largest float32 cell: the tutorial loop keeps the logits

@@ -1,10 +1,12 @@
 """Will the book's GPU runs fit? Each run's peak predicted at the gpu profile's sizes.
 
-No GPU is needed to ask: ``torchbook.memory`` predicts from the shapes that
-``torchbook.book.profiles`` gives the gpu profile. Chapter 7 prints ``fit_table``.
-It builds on ``torchbook.memory`` (the prediction), ``torchbook.models``
-(``GPTConfig``), ``torchbook.book.profiles`` (the sizes) and
-``torchbook.book.charlm`` (chapter 3's model, configured once).
+No GPU is needed to ask: ``torchbook.memory.gpt`` predicts from the shapes that
+``torchbook.book.profiles`` gives the gpu profile, and ``torchbook.memory.fit``
+says whether a peak fits a card. Chapter 7 prints ``fit_table``. It builds on
+``torchbook.memory`` (the step's description), ``torchbook.memory.gpt`` (the
+prediction), ``torchbook.memory.fit``, ``torchbook.models`` (``GPTConfig``),
+``torchbook.book.profiles`` (the sizes) and ``torchbook.book.charlm`` (chapter
+3's model, configured once).
 """
 
 from __future__ import annotations
@@ -13,14 +15,11 @@ from itertools import pairwise
 
 from torchbook.book.charlm import model_config
 from torchbook.book.profiles import gpu_sizes, make_profile
-from torchbook.memory import FP32, TrainingShape, predict_peak
+from torchbook.memory import FP32, TrainingSetup
+from torchbook.memory.fit import GIB, GPU_GIB
+from torchbook.memory.gpt import predict_peak
 from torchbook.models import GPTConfig
 
-GPU_BYTES = 80 * 10**9  # the GPUs readers rent: A100 / H100 with 80 GB
-# A run "fits" when its predicted peak is at most half of the GPU: the rest is for the
-# CUDA context, cuBLAS workspaces, the caching allocator's fragmentation and
-# torch.compile's buffers.
-FIT_SHARE = 0.5
 CHAR_VOCAB = 256  # character-level models: at most 256 symbols (Tiny Shakespeare: 65)
 
 
@@ -35,6 +34,8 @@ def mlp_peak(widths: tuple[int, ...], batch_size: int) -> int:
 
 def gpu_run_peaks() -> dict[str, int]:
     """Predicted peak bytes of each run the book makes at gpu-profile sizes, on CUDA.
+
+    CUDA's kernels: ``TrainingSetup``'s default.
 
     The runs use bf16 autocast except chapter 7's float32 cells, which are
     predicted at their largest: the longest context in the tutorial loop.
@@ -51,7 +52,7 @@ def gpu_run_peaks() -> dict[str, int]:
     runs = {
         "ch. 3 language model (and the compile results)": (
             model_config(CHAR_VOCAB, lm),
-            TrainingShape(lm.batch_size, lm.block_size, "bf16", device_type="cuda"),
+            TrainingSetup(lm.batch_size, lm.block_size, "bf16"),
         ),
         "ch. 5 loading demo (as if trained on its 2 x 16 input)": (
             GPTConfig(
@@ -61,7 +62,7 @@ def gpu_run_peaks() -> dict[str, int]:
                 demo.demo_n_head,
                 demo.demo_d_model,
             ),
-            TrainingShape(2, 16, "bf16", device_type="cuda"),
+            TrainingSetup(2, 16, "bf16"),
         ),
         "ch. 6 torch.compile model": (
             GPTConfig(
@@ -71,33 +72,24 @@ def gpu_run_peaks() -> dict[str, int]:
                 device.n_head,
                 device.compile_d_model,
             ),
-            TrainingShape(
-                device.compile_batch_size,
-                device.compile_block_size,
-                "bf16",
-                device_type="cuda",
-            ),
+            TrainingSetup(device.compile_batch_size, device.compile_block_size, "bf16"),
         ),
     }
     for precision in ("fp32", "bf16"):
         runs[f"ch. 7 {precision} cells (largest: tutorial loop)"] = (
             chapter_7,
-            TrainingShape(
-                memory.batch_size,
-                longest,
-                precision,
-                loop="tutorial",
-                device_type="cuda",
-            ),
+            TrainingSetup(memory.batch_size, longest, precision, loop="tutorial"),
         )
     peaks = {name: predict_peak(*run) for name, run in runs.items()}
-    peaks["ch. 9 lab MLP"] = mlp_peak((28 * 28, *lab.hidden, 10), lab.batch_size)
+    peaks["ch. 10 lab MLP"] = mlp_peak((28 * 28, *lab.hidden, 10), lab.batch_size)
     return peaks
 
 
-def fit_table() -> str:
-    """A text table of each GPU run's predicted peak against an 80 GB GPU."""
-    lines = [f"{'run (gpu profile)':52s}{'predicted peak':>16s}{'of 80 GB':>10s}"]
+def fit_table(gpu_gib: float = GPU_GIB) -> str:
+    """A text table of each GPU run's predicted peak against a ``gpu_gib`` GiB GPU."""
+    card = f"of {gpu_gib:g} GiB"
+    lines = [f"{'run (gpu profile)':52s}{'predicted peak':>16s}{card:>12s}"]
     for name, peak in gpu_run_peaks().items():
-        lines.append(f"{name:52s}{peak / 1e9:>13.3f} GB{peak / GPU_BYTES:>10.1%}")
+        share = peak / (gpu_gib * GIB)
+        lines.append(f"{name:52s}{peak / GIB:>12.3f} GiB{share:>12.1%}")
     return "\n".join(lines)

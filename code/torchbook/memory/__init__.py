@@ -1,108 +1,183 @@
-"""Where a GPT's training memory goes, predicted from its shape; and a calculator.
-
-It builds on ``torchbook.models`` (``GPTConfig`` and the ``GPT`` whose saved
-tensors the formula counts, one by one), reading only a config's sizes, so it
-imports no torch. ``torchbook.memory.measure`` measures the same quantities
-without any formula. ``python -m torchbook.memory --help`` runs the calculator,
-``torchbook.memory.calculator``, on this GPT or on a Hugging Face config.
+"""The memory of a training step: its four kinds, and the one description of a step.
 
 Training memory has four kinds (Rajbhandari et al. 2020, "ZeRO"):
 
-- parameters: float32 weights, 4 bytes each (autocast keeps them float32);
-- gradients: one float32 number per parameter;
-- optimizer states: AdamW's two float32 moments (8 bytes per parameter) and a
-  step counter per parameter tensor;
+- parameters: the weights, 4 bytes each in float32 (autocast keeps them
+  float32 and computes in 16 bits);
+- gradients: one number per trained parameter;
+- optimizer states: AdamW's two moments per trained parameter (8 bytes in
+  float32) and a step counter per parameter tensor;
 - saved activations: what the forward pass keeps for the backward pass. They
   grow with batch x sequence length, and for long contexts they dominate.
 
 ZeRO stage 1 shards the optimizer states over the data-parallel ranks, stage 2
-also the gradients, stage 3 (and FSDP) also the parameters. Activations are
-never sharded by data parallelism: each rank keeps those of its own batch. DDP
-shards nothing and adds its gradient buckets: a second float32 copy of the
+also the gradients, stage 3 (FSDP's scheme) also the parameters. Activations
+are never sharded by data parallelism: each rank keeps those of its own batch.
+DDP shards nothing and adds its gradient buckets: a second copy of the
 gradients, unless ``gradient_as_bucket_view=True`` makes the gradients views
-of the buckets. FSDP's all-gathered copy of one block is not counted.
+of the buckets.
 
-The activation formula is derived for this GPT tensor by tensor (see
-``activation_terms``), in the way Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models") derive 34·s·b·h + 5·a·s²·b bytes per
-layer for GPT-3. Their (T, T) term, the softmax and dropout of the attention
-scores, appears here only when attention falls back to PyTorch's "math" path:
-the fused kernels (flash, memory-efficient, and the CPU's flash kernel) keep
-just one logsumexp per query and head. On the CPU that fallback happens when
-attention dropout is on; CUDA's fused kernels handle dropout themselves.
+``TrainingSetup`` describes a step besides the model (batch, precision,
+optimizer, what trains, checkpointing, sharding, whose kernels), in one
+vocabulary for every formula of the package: ``torchbook.memory.gpt`` for the
+book's GPT, ``torchbook.memory.step`` and ``torchbook.memory.peak`` for the
+transformers models readers fine-tune. ``python -m torchbook.memory`` runs the
+calculator (``torchbook.memory.calculator``). Nothing here imports torch: the
+calculator answers at once.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the formula reads a config's sizes; it needs no torch
-    from torchbook.models import GPTConfig
 
 # Bytes of each precision's autocast dtype (torchbook.device.AUTOCAST_DTYPES, which
-# a test compares), and the MLP's width (torchbook.models.MLP_EXPANSION): written
-# out so that the calculator answers without importing torch, which takes seconds.
+# a test compares): written out so that the calculator answers without importing
+# torch, which takes seconds.
 AUTOCAST_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-MLP_EXPANSION = 4
 FP32 = 4  # bytes of a float32: weights, gradients, Adam moments, LayerNorm inputs
 INDEX = 8  # bytes of an int64 token id (the input ids, and the targets)
-SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
-# Which of parameters / gradients / optimizer states each scheme divides by the ranks.
+# The vocabulary of a training step, shared by every formula of this package.
+# precision: "fp32"; "bf16" and "fp16" autocast over float32 weights (the book's
+# TrainConfig.precision); "bf16-pure" bf16 weights, gradients and states;
+# "bf16-master" bf16 weights with float32 master weights, gradients and moments.
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure", "bf16-master")
+OPTIMIZERS = ("adamw", "adamw-foreach", "sgd", "none")  # adamw: fused; sgd: momentum
+OPTIMIZER_STATES = {"adamw": 2, "adamw-foreach": 2, "sgd": 1, "none": 0}  # per weight
+TRAINS = ("all", "lora", "frozen")
+BASES = ("auto", "nf4")  # the frozen base's storage: the precision's, or 4-bit NF4
+CHECKPOINTING = ("none", "selective", "full")  # torchbook.recompute, GPTConfig
+# "trainer": the book's Trainer, whose logits are freed once the loss exists;
+# "tutorial": logits = model(x) in the loop, alive until the step ends.
+LOOPS = ("trainer", "tutorial")
+PARALLEL = ("none", "ddp", "zero1", "zero2", "fsdp")  # data parallelism over ranks
+# Which of parameters / gradients / optimizer states each scheme divides by the ranks
+# (FSDP is ZeRO stage 3's scheme).
 SHARDED = {
     "none": (),
     "ddp": (),
     "zero1": ("optimizer_states",),
     "zero2": ("gradients", "optimizer_states"),
-    "zero3": ("parameters", "gradients", "optimizer_states"),
     "fsdp": ("parameters", "gradients", "optimizer_states"),
 }
-CHECKPOINTING = ("none", "selective", "full")  # torchbook.recompute, GPTConfig
-# "trainer": the book's Trainer, whose logits are freed once the loss exists;
-# "tutorial": logits = model(x) in the loop, alive until the step ends.
-LOOPS = ("trainer", "tutorial")
-OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}  # float32 numbers per parameter
-NAMES = "--layers: n_layer, --width: d_model, --heads: n_head, --vocab: vocab_size"
+KERNELS = ("cuda", "cpu")  # whose operations are counted: dropout masks, attention
 
 
 @dataclass(frozen=True)
-class TrainingShape:
-    """A training step besides the model: batch, precision, levers, sharding."""
+class TrainingSetup:
+    """One training step besides the model: batch, precision, what trains, sharding.
 
-    batch_size: int  # rows per rank per micro-batch
-    seq_len: int
-    precision: str = "fp32"  # a key of AUTOCAST_BYTES
-    checkpointing: str = "none"  # one of CHECKPOINTING
-    loss_chunks: int = 1  # head and loss over this many slices (train.summed_loss)
+    The one description of a step for every formula here: the book's GPT
+    (``torchbook.memory.gpt``) and a transformers model
+    (``torchbook.memory.step``, ``torchbook.memory.peak``), the calculator's
+    flags too. A formula refuses by name the fields it does not count (the
+    GPT's trains every weight).
+    ``kernels`` says whose operations are counted: CUDA's, for the GPU a run is
+    planned on, or the CPU's, which the book measures.
+    """
+
+    batch_size: int  # rows per micro-batch, per rank
+    seq_len: int  # tokens per row
+    precision: str = "fp32"  # one of PRECISIONS
+    optimizer: str = "adamw"  # one of OPTIMIZERS
+    trains: str = "all"  # one of TRAINS
+    base: str = "auto"  # one of BASES: "nf4" stores the frozen base in 4 bits
+    lora_rank: int = 8
+    lora_targets: tuple[str, ...] = ()  # (): peft's default for the family
+    checkpointing: str = "none"  # one of CHECKPOINTING, per block
+    loss_chunks: int = 1  # head and loss over this many slices (loss.summed_loss)
     loop: str = "trainer"  # one of LOOPS
-    optimizer: str = "adamw"  # a key of OPTIMIZER_STATES (sgd: with momentum)
-    sharding: str = "none"  # one of SHARDINGS
-    world_size: int = 1  # data-parallel ranks
+    packed: bool = False  # rows of several documents: position and document ids
+    parallel: str = "none"  # one of PARALLEL
+    ranks: int = 1  # data-parallel ranks
     gradient_as_bucket_view: bool = False  # DDP's option
-    device_type: str = "cpu"  # "cpu" or "cuda": dropout masks' dtype, attention kernel
+    reshard_after_forward: bool = True  # FSDP2's option
+    kernels: str = "cuda"  # one of KERNELS
 
     def __post_init__(self) -> None:
         for name, allowed in (
-            ("precision", tuple(AUTOCAST_BYTES)),
+            ("precision", PRECISIONS),
+            ("optimizer", OPTIMIZERS),
+            ("trains", TRAINS),
+            ("base", BASES),
             ("checkpointing", CHECKPOINTING),
             ("loop", LOOPS),
-            ("optimizer", tuple(OPTIMIZER_STATES)),
-            ("sharding", SHARDINGS),
+            ("parallel", PARALLEL),
+            ("kernels", KERNELS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(
-                    f"TrainingShape.{name}={getattr(self, name)!r}; "
+                    f"TrainingSetup.{name}={getattr(self, name)!r}; "
                     f"expected one of {list(allowed)}"
                 )
-        sizes = ("batch_size", "seq_len", "loss_chunks", "world_size")
-        for name in sizes:
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"TrainingShape.{name} must be >= 1, got {getattr(self, name)}"
-                )
-        if self.loop == "tutorial" and self.loss_chunks > 1:
-            raise ValueError("TrainingShape: the tutorial loop has no chunked loss")
+        for name in ("batch_size", "seq_len", "lora_rank", "loss_chunks", "ranks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"TrainingSetup.{name} must be >= 1, got {value!r}")
+        for refused, reason in _refusals(self):
+            if refused:
+                raise ValueError(f"meaningless setup: {reason}")
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+def _refusals(setup: TrainingSetup) -> list[tuple[bool, str]]:
+    """Combinations no run has, each with the reason it is refused."""
+    lora, frozen = setup.trains == "lora", setup.trains == "frozen"
+    return [
+        (
+            setup.parallel == "none" and setup.ranks > 1,
+            f"ranks={setup.ranks} with parallel='none': choose {PARALLEL[1:]}",
+        ),
+        (
+            setup.gradient_as_bucket_view and setup.parallel != "ddp",
+            "gradient_as_bucket_view is DDP's",
+        ),
+        (
+            not setup.reshard_after_forward and setup.parallel != "fsdp",
+            "reshard_after_forward is FSDP2's",
+        ),
+        (setup.loss_chunks > setup.seq_len, "loss_chunks > seq_len"),
+        (
+            setup.loss_chunks > 1 and setup.loop == "tutorial",
+            "the tutorial loop has no chunked loss",
+        ),
+        (
+            setup.loss_chunks > 1 and setup.parallel == "fsdp",
+            "FSDP2 gathers the head in the root's forward, which a chunked loss "
+            "runs outside",
+        ),
+        (
+            frozen and (setup.optimizer, setup.checkpointing) != ("none", "none"),
+            "a frozen model has no optimizer and no backward to checkpoint "
+            "(optimizer='none', checkpointing='none')",
+        ),
+        (frozen and setup.parallel != "none", "a frozen model is not trained"),
+        (not lora and setup.lora_targets, "lora_targets without trains='lora'"),
+        (
+            lora and setup.precision == "bf16-master",
+            "peft keeps LoRA adapters in float32: they are their own master copy; "
+            "use bf16-pure",
+        ),
+        (
+            setup.precision == "bf16-master" and setup.optimizer == "none",
+            "bf16-master keeps its float32 copy for an optimizer",
+        ),
+        (
+            setup.base == "nf4" and not lora,
+            "base='nf4' is QLoRA's frozen base: it needs trains='lora'",
+        ),
+        (
+            setup.base == "nf4" and setup.precision in ("fp16", "bf16-master"),
+            f"base='nf4' is counted with fp32, bf16 or bf16-pure, not "
+            f"{setup.precision}",
+        ),
+        (
+            setup.base == "nf4" and setup.parallel == "fsdp",
+            "FSDP2 does not shard bitsandbytes' 4-bit weights",
+        ),
+    ]
 
 
 @dataclass(frozen=True)
@@ -124,254 +199,3 @@ class MemoryBreakdown:
             + self.gradient_buckets
             + self.activations
         )
-
-
-def parameter_count(config: GPTConfig) -> int:
-    """Parameters of ``GPT(config)``: tied embedding, n_layer blocks, last LayerNorm."""
-    width, hidden = config.d_model, MLP_EXPANSION * config.d_model
-    block = (
-        2 * 2 * width  # two LayerNorms, weight and bias
-        + (width * 3 * width + 3 * width)  # qkv
-        + (width * width + width)  # attention projection
-        + (width * hidden + hidden)  # MLP
-        + (hidden * width + width)
-    )
-    return config.vocab_size * width + config.n_layer * block + 2 * width
-
-
-def matmul_parameter_count(config: GPTConfig) -> int:
-    """Weights used in matmuls: every block's four matrices and the tied head.
-
-    This is the N of "6N FLOPs per token": biases and LayerNorms cost a few
-    operations per token, and the embedding lookup none.
-    """
-    return (
-        config.n_layer * (3 + 1 + 2 * MLP_EXPANSION) * config.d_model**2
-        + config.vocab_size * config.d_model
-    )
-
-
-def parameter_tensor_count(config: GPTConfig) -> int:
-    """Parameter tensors of ``GPT(config)``: AdamW keeps one step counter for each."""
-    # embedding; 6 weights and 6 biases per block; final LayerNorm
-    return 1 + 12 * config.n_layer + 2
-
-
-def block_bytes_per_token(config: GPTConfig, shape: TrainingShape) -> int:
-    """Bytes one block saves per token.
-
-    With C = d_model, H = n_head and a = the compute dtype's bytes:
-
-    - 2 x 4C: the float32 inputs of its two LayerNorms (the residual stream), and
-      4 x 4 bytes of their means and inverse standard deviations;
-    - a·10C: the normalised inputs of the qkv and fc Linears (C each), the fc
-      output GELU needs (4C) and the GELU output the second Linear needs (4C);
-    - fused attention, a·6C + 4H: the qkv output (3C; v is a view of it),
-      RoPE-rotated q and k (2C), attention's output (C; the projection reads it
-      as a view) and one float32 logsumexp per query and head;
-    - or the CPU's math path (attention dropout on): float32 q, k, v (3 x 4C),
-      three float32 (T, T) tensors per head (softmax output, dropout mask,
-      dropped weights: 3 x 4HT) and the output (aC); 2 x 4C more for a single
-      float32 row, measured: there its reshapes are views and it keeps both;
-    - with dropout, two masks of C (the input's dtype on the CPU, 1-byte bools on CUDA).
-
-    Checkpointed, a block keeps its float32 input (4C), and selectively also
-    the outputs of its four matmuls (a·9C) and of attention (aC + 4H).
-    """
-    width, heads, steps = config.d_model, config.n_head, shape.seq_len
-    low = AUTOCAST_BYTES[shape.precision]
-    if shape.checkpointing == "full":
-        return FP32 * width
-    if shape.checkpointing == "selective":
-        if config.dropout > 0:
-            raise ValueError("selective checkpointing is predicted for dropout 0 only")
-        return FP32 * width + low * (6 + MLP_EXPANSION) * width + FP32 * heads
-    dropout = config.dropout > 0
-    mask = (1 if shape.device_type == "cuda" else low) if dropout else 0
-    if dropout and shape.device_type == "cpu":  # SDPA's math path
-        attention = 3 * FP32 * width + 3 * FP32 * heads * steps + low * width
-        if shape.batch_size == 1 and low == FP32:
-            attention += 2 * FP32 * width  # one float32 row: views keep two more
-    else:  # a fused kernel
-        attention = low * 6 * width + FP32 * heads
-    return (
-        2 * FP32 * width
-        + 4 * FP32  # LayerNorm inputs and statistics
-        + low * (2 * width + 2 * MLP_EXPANSION * width)  # qkv, fc inputs; fc, GELU out
-        + attention
-        + 2 * mask * width
-    )
-
-
-def activation_terms(config: GPTConfig, shape: TrainingShape) -> dict[str, int]:
-    """Bytes autograd saves during one forward pass, by where they come from.
-
-    Blocks: ``block_bytes_per_token``. Outside them: the token ids, the
-    embedding's dropout mask, the final LayerNorm (4C + 8 + aC) and
-    cross-entropy's float32 log-probabilities (4V) and int64 targets. With a
-    chunked loss only the head's float32 input (4C) and the targets are kept:
-    each slice's logits are made again in the backward pass. Under autocast each
-    matmul weight is also saved as its low-precision copy (2 bytes a weight),
-    except where it is recomputed (checkpointed blocks, a chunked head).
-    """
-    tokens = shape.batch_size * shape.seq_len
-    width, vocab = config.d_model, config.vocab_size
-    low = AUTOCAST_BYTES[shape.precision]
-    copied = matmul_parameter_count(config)
-    if shape.checkpointing != "none":
-        copied = vocab * width
-    if shape.loss_chunks > 1:
-        copied -= vocab * width
-        head = tokens * (FP32 * width + 2 * FP32 + FP32 * width)
-        loss = tokens * INDEX
-    else:
-        head = tokens * (FP32 * width + 2 * FP32 + low * width)
-        loss = tokens * (FP32 * vocab + INDEX) + FP32
-    mask = 1 if shape.device_type == "cuda" else FP32
-    embedding_mask = mask * width if config.dropout > 0 else 0
-    return {
-        "blocks": tokens * config.n_layer * block_bytes_per_token(config, shape),
-        "embedding and ids": tokens * (INDEX + embedding_mask),
-        "final norm and head": head,
-        "cross-entropy": loss,
-        "autocast weight copies": 2 * copied if low < FP32 else 0,
-    }
-
-
-def predict_memory(config: GPTConfig, shape: TrainingShape) -> MemoryBreakdown:
-    """Bytes per rank: parameters, gradients, optimizer states, buckets, activations."""
-    count = parameter_count(config)
-    moments = OPTIMIZER_STATES[shape.optimizer]
-    counters = parameter_tensor_count(config) if shape.optimizer == "adamw" else 0
-    sizes = {
-        "parameters": FP32 * count,
-        "gradients": FP32 * count,
-        "optimizer_states": moments * FP32 * count + FP32 * counters,
-    }
-    for kind in SHARDED[shape.sharding]:
-        sizes[kind] = math.ceil(sizes[kind] / shape.world_size)
-    buckets = FP32 * count if shape.sharding == "ddp" else 0
-    if buckets and shape.gradient_as_bucket_view:  # the gradients live in the buckets
-        sizes["gradients"] = 0
-    return MemoryBreakdown(
-        activations=sum(activation_terms(config, shape).values()),
-        gradient_buckets=buckets,
-        **sizes,
-    )
-
-
-def loss_backward_bytes(config: GPTConfig, shape: TrainingShape) -> int:
-    """What the loss's backward holds besides the saved activations: the logits' share.
-
-    Unchunked: cross-entropy's two float32 gradients of V per token (and in the
-    tutorial loop the logits themselves, a·V, alive since the forward). Chunked:
-    one slice's recomputed log-probabilities and their two gradients (3 x 4V
-    per token of the slice), the head's weight gradient summed over the slices
-    before, the hidden states' gradient summed likewise (4C per token), and
-    under autocast the head weight's 16-bit copy, which each slice makes again.
-    """
-    tokens, vocab = shape.batch_size * shape.seq_len, config.vocab_size
-    if shape.loss_chunks > 1:
-        rows = shape.batch_size * math.ceil(shape.seq_len / shape.loss_chunks)
-        head = vocab * config.d_model
-        copy = 2 * head if AUTOCAST_BYTES[shape.precision] < FP32 else 0
-        hidden = FP32 * config.d_model * tokens
-        return 3 * FP32 * rows * vocab + FP32 * head + copy + hidden
-    held = AUTOCAST_BYTES[shape.precision] if shape.loop == "tutorial" else 0
-    return (2 * FP32 + held) * tokens * vocab
-
-
-def predict_peak(config: GPTConfig, shape: TrainingShape) -> int:
-    """Bytes at a training step's busiest moment, once the optimizer has its states.
-
-    Parameters, optimizer states and DDP's buckets are always there. The
-    candidates are:
-
-    - the start of the backward pass: every saved activation, plus the logits'
-      share (``loss_backward_bytes``);
-    - each block's backward, last block first, with the activations not yet
-      freed, the gradients made so far and a checkpointed block's recomputed
-      activations: its MLP's backward (the second matrix's weight gradient and
-      two gradients of the MLP's width, that matrix's saved input freed), and
-      on SDPA's math path its attention's (the block's gradients, two
-      residual-stream gradients and the gradient of one (T, T) tensor per head,
-      less the block's MLP tensors, freed by then);
-    - the optimizer step: every gradient.
-
-    Gradients are None until the backward pass (``zero_grad(set_to_none=True)``).
-    """
-    memory = predict_memory(config, shape)
-    terms = activation_terms(config, shape)
-    tokens = shape.batch_size * shape.seq_len
-    width, low = config.d_model, AUTOCAST_BYTES[shape.precision]
-    grad_share = memory.gradients / (FP32 * parameter_count(config))
-    block_params = (
-        parameter_count(config) - config.vocab_size * width - 2 * width
-    ) // config.n_layer
-    block_grads = FP32 * block_params * grad_share
-    always = memory.parameters + memory.optimizer_states + memory.gradient_buckets
-    recompute = 0  # what a block's backward holds beyond the saved tensors
-    attention = 0  # the math path's attention backward, beyond those
-    if shape.checkpointing != "none":  # the block's saved tensors, made again
-        plain = TrainingShape(
-            shape.batch_size,
-            shape.seq_len,
-            shape.precision,
-            device_type=shape.device_type,
-        )
-        recompute = tokens * block_bytes_per_token(config, plain)
-        if shape.checkpointing == "selective":  # less what was kept, but the two
-            # projections' outputs, which a plain block does not keep
-            kept = block_bytes_per_token(config, shape) - 2 * low * width
-            recompute -= tokens * kept
-        if low < FP32:  # and the block's weights' low-precision copies
-            matmuls = matmul_parameter_count(config) - config.vocab_size * width
-            recompute += 2 * matmuls // config.n_layer
-    if config.dropout > 0 and shape.device_type == "cpu":
-        # The math path's backward peaks in attention, holding the gradient of one
-        # (T, T) tensor per head; the block's MLP tensors are freed by then.
-        mask = low * width  # the MLP's dropout mask
-        mlp_saved = (
-            FP32 * width + 2 * FP32 + low * (width + 2 * MLP_EXPANSION * width) + mask
-        )
-        attention = FP32 * config.n_head * shape.seq_len - mlp_saved
-        attention = max(0, attention * tokens) + 2 * FP32 * width * tokens
-    moments = [always + memory.activations + loss_backward_bytes(config, shape)]
-    if shape.loop == "tutorial":  # the logits stay until the step ends
-        always += tokens * config.vocab_size * low
-    remaining = (
-        memory.activations - terms["cross-entropy"] - terms["final norm and head"]
-    )
-    # tied head and final LayerNorm
-    grads = FP32 * (config.vocab_size * width + 2 * width) * grad_share
-    mlp_width = MLP_EXPANSION * width
-    second_matrix = FP32 * (mlp_width * width + width) * grad_share
-    for _ in range(config.n_layer):
-        held = always + remaining + grads + recompute
-        moments.append(held + second_matrix + low * mlp_width * tokens)
-        if attention:
-            moments.append(held + block_grads + attention)
-        remaining -= terms["blocks"] // config.n_layer
-        grads += block_grads
-    moments.append(always + memory.gradients)
-    return int(max(moments))
-
-
-def kv_cache_bytes(
-    config: GPTConfig,
-    batch_size: int,
-    seq_len: int,
-    element_bytes: int,
-    kv_heads: int | None = None,
-) -> int:
-    """Bytes of a KV cache: a key and a value per layer, KV head and position.
-
-    2 x n_layer x kv_heads x head_size x element_bytes per token. With
-    grouped-query attention (Ainslie et al. 2023) ``kv_heads`` < n_head: query
-    heads share each key/value head, and the cache shrinks by n_head / kv_heads.
-    """
-    kv_heads = config.n_head if kv_heads is None else kv_heads
-    if config.n_head % kv_heads:
-        raise ValueError(f"kv_heads={kv_heads} must divide n_head={config.n_head}")
-    per_token = 2 * config.n_layer * kv_heads * config.head_size * element_bytes
-    return per_token * batch_size * seq_len

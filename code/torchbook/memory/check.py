@@ -5,10 +5,11 @@ runs the step itself: transformers' own model (``AutoModelForCausalLM`` built
 from the config, as ``from_pretrained`` would build it), peft's LoRA model,
 or FSDP2's sharded model, one forward, loss, backward and optimizer step,
 on fake tensors (``FakeTensorMode``: shapes and dtypes, no data), so a
-7B-parameter step takes seconds and no memory. ``MemTracker`` follows the
-bytes of every tensor the step creates and frees and reports the peak;
-``FSDPMemTracker`` does the same for FSDP2 over a fake process group, as
-torchtitan's memory estimator does.
+7B-parameter step takes seconds and no memory. The book's tracker
+(``torchbook.memory.tracker``, PyTorch's ``MemTracker``) follows the bytes of
+every tensor the step creates and frees and reports the peak; for FSDP2 over
+a fake process group it is ``FSDPMemTracker``, as torchtitan's memory
+estimator runs it.
 
 What the check covers: the CPU's operations (fake CUDA tensors need a CUDA
 driver), so attention runs SDPA's CPU flash kernel (without dropout) or its
@@ -18,7 +19,8 @@ no operation returns) and everything outside the step's tensors (CUDA
 context, workspaces, the allocator's cached blocks).
 
 It builds on ``torchbook.memory.configs`` (the architecture),
-``torchbook.memory.step`` (the setup) and ``torchbook.recompute`` (the
+``torchbook.memory.step`` (what the formula counts),
+``torchbook.memory.tracker`` (the peak) and ``torchbook.recompute`` (the
 selective checkpointing policy).
 """
 
@@ -36,15 +38,17 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from torchbook.memory.configs import Architecture, hf_config
-from torchbook.memory.step import Setup, check_setup, lora_targets
+from torchbook.memory import TrainingSetup
+from torchbook.memory.configs import Architecture, to_transformers_config
+from torchbook.memory.step import check_setup, lora_targets
+from torchbook.memory.tracker import PeakTracker, fsdp_tracker
 from torchbook.recompute import keep_matmuls
 
 DEVICE = torch.device("cpu")  # fake CUDA tensors need a CUDA driver
 IGNORE = -100  # transformers' ignored label
 
 
-def build_model(arch: Architecture, setup: Setup) -> nn.Module:
+def build_model(arch: Architecture, setup: TrainingSetup) -> nn.Module:
     """transformers' model for ``arch`` in ``setup``'s dtype, LoRA and checkpointing.
 
     Build it on the meta device and give it fake storage with ``fake_storage``:
@@ -52,7 +56,7 @@ def build_model(arch: Architecture, setup: Setup) -> nn.Module:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = dict(hf_config(arch))
+    config = dict(to_transformers_config(arch))
     config = AutoConfig.for_model(config.pop("model_type"), **config)
     fsdp_master = setup.precision == "bf16-master" and setup.parallel == "fsdp"
     bf16 = setup.precision in ("bf16-pure", "bf16-master") and not fsdp_master
@@ -94,10 +98,12 @@ def _slice_loss(
     )
 
 
-def step_loss(model: nn.Module, ids: torch.Tensor, setup: Setup) -> torch.Tensor:
+def step_loss(
+    model: nn.Module, ids: torch.Tensor, setup: TrainingSetup
+) -> torch.Tensor:
     """transformers' loss (it shifts the labels), or the same in checkpointed slices."""
     autocast = torch.autocast(
-        DEVICE.type, torch.bfloat16, enabled=setup.precision == "bf16-autocast"
+        DEVICE.type, torch.bfloat16, enabled=setup.precision == "bf16"
     )
     with autocast:
         if setup.loss_chunks == 1:
@@ -150,7 +156,7 @@ class MasterWeights:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def make_optimizer(setup: Setup) -> Callable | None:
+def make_optimizer(setup: TrainingSetup) -> Callable | None:
     """A function from parameters to ``setup.optimizer`` (None for "none")."""
     choices = {
         "adamw": partial(torch.optim.AdamW, lr=1e-5, fused=True),
@@ -161,7 +167,7 @@ def make_optimizer(setup: Setup) -> Callable | None:
 
 
 def training_step(
-    model: nn.Module, optimizer: object | None, ids: torch.Tensor, setup: Setup
+    model: nn.Module, optimizer: object | None, ids: torch.Tensor, setup: TrainingSetup
 ) -> Callable[[], None]:
     """The step transformers' Trainer runs: loss kept, logits dropped, then the step."""
 
@@ -215,73 +221,14 @@ def _quiet() -> Iterator[None]:
         logging.set_verbosity(verbosity)
 
 
-class _PeakOnly:
-    """The step's peak only: the trackers' per-module peaks are not read here.
-
-    ``MemTracker`` updates them after every operation by looping over every
-    module it knows, which makes a 32-layer step several times slower.
-    """
-
-    def _update_peak_stats(self, peak_state: object) -> None:
-        for device, snapshot in self._curr_mem_snap.items():
-            if self._peak_mem.get(device, 0) < snapshot["Total"]:
-                self._peak_mem[device] = snapshot["Total"]
-                self._peak_mem_snap[device] = dict(snapshot)
-
-
-def _tracker() -> object:
-    """A ``MemTracker`` for a whole step: its peak, not each module's.
-
-    Its module hooks only start tracking a module's parameters (and their
-    gradients, for those that train: a frozen one, as LoRA's base weights,
-    refuses a gradient hook) and the module's inputs. So a module may run
-    more than once in a step (a head over several slices of a chunked loss),
-    which ``MemTracker``'s per-module statistics do not allow.
-    """
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-
-    class StepTracker(_PeakOnly, MemTracker):
-        def _track_module_params_and_buffers(
-            self, module: nn.Module, install_grad_hooks: bool = True
-        ) -> tuple[int, int]:
-            sizes = super()._track_module_params_and_buffers(module, False)
-            for param in module.parameters():
-                if install_grad_hooks and param.requires_grad:
-                    if self._param_to_grad_hook_handles.get(param) is None:
-                        track = partial(self._track_grad, _MemRefType.GRAD)
-                        self._param_to_grad_hook_handles[param] = (
-                            param.register_hook(track),
-                            param.register_post_accumulate_grad_hook(
-                                lambda p, track=track: track(p.grad)
-                            ),
-                        )
-            return sizes
-
-        def _track_grad(self, reftype: object, grad: torch.Tensor) -> None:
-            self._update_and_maybe_create_winfos(grad, reftype)
-
-        def _pre_fw_hook(self, module: nn.Module, inputs: object) -> None:
-            self._track_module_params_and_buffers(module, install_grad_hooks=True)
-            self._track_inputs_or_outputs(inputs)
-
-        def _post_fw_hook(self, *args: object) -> None:
-            pass
-
-        def _pre_bw_hook(self, *args: object) -> None:
-            pass
-
-        def _post_bw_hook(self, *args: object) -> None:
-            pass
-
-    return StepTracker()
-
-
-def fake_peak(arch: Architecture, setup: Setup) -> int:
+def fake_peak(arch: Architecture, setup: TrainingSetup) -> int:
     """Peak bytes of one training step of transformers' model on fake tensors.
 
     The first step makes the optimizer's states; the second is tracked.
     """
     check_setup(arch, setup)
+    if setup.kernels != "cpu":
+        raise ValueError("the fake run executes the CPU's kernels: kernels='cpu'")
     if setup.parallel == "fsdp":
         return fake_fsdp_peak(arch, setup)
     with _quiet(), torch.device("meta"):
@@ -298,11 +245,11 @@ def fake_peak(arch: Architecture, setup: Setup) -> int:
         ids = torch.randint(0, arch.vocab_size, (setup.batch_size, setup.seq_len))
         step = training_step(model, optimizer, ids, setup)
         step()
-        tracker = _tracker()
+        tracker = PeakTracker()
         tracker.track_external(model, *external)
         with tracker:
             step()
-    return tracker.get_tracker_snapshot("peak")[DEVICE]["Total"]
+    return tracker.peak
 
 
 class LocalShards:
@@ -329,14 +276,13 @@ class LocalShards:
             parameter.grad = shard.grad = None
 
 
-def fake_fsdp_peak(arch: Architecture, setup: Setup) -> int:
+def fake_fsdp_peak(arch: Architecture, setup: TrainingSetup) -> int:
     """Peak bytes per rank of an FSDP2 step over a fake process group of ``ranks``.
 
     Each decoder layer and the root are ``fully_shard``-ed (bf16-master:
     ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``).
     """
     import torch.distributed as dist
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -367,12 +313,9 @@ def fake_fsdp_peak(arch: Architecture, setup: Setup) -> int:
             ids = torch.randint(0, arch.vocab_size, (setup.batch_size, setup.seq_len))
             step = training_step(model, optimizer, ids, setup)
             step()
-            tracker = type("Tracker", (_PeakOnly, FSDPMemTracker), {})(
-                model, optimizer and optimizer.optimizer
-            )
-            tracker.track_external(*([optimizer.optimizer] if optimizer else []))
+            tracker = fsdp_tracker(model, optimizer and optimizer.optimizer)
             with tracker:
                 step()
-        return tracker.get_tracker_snapshot("peak")[DEVICE]["Total"]
+        return tracker.peak
     finally:
         dist.destroy_process_group()

@@ -19,7 +19,10 @@ for the families it knows:
   (``torchbook.llama.LlamaConfig``'s fields, read as a ``llama`` config).
 
 Absent keys take the value transformers' config class gives them (the tests
-build each family's model from a minimal dict and compare the counts). An
+build each family's model from a minimal dict and compare the counts). Each
+field read is checked for its kind (a positive integer, true or false, a
+rate), and a wrong one is refused with the file and the field's name: zero
+key/value heads, which transformers cannot build, are not read as absent. An
 unknown ``model_type`` is refused with the list of known ones. Nothing here
 imports torch: the calculator answers in well under the two seconds that
 importing torch alone can take.
@@ -44,6 +47,8 @@ REQUIRED = {
 # The book's own configs carry no model_type: they are told apart by their fields.
 BOOK_GPT_FIELDS = {"vocab_size", "block_size", "n_layer", "n_head", "d_model"}
 BOOK_LLAMA_FIELDS = {"vocab_size", "n_layer", "n_head", "n_kv_head", "d_model"}
+BOOK_LLAMA_REQUIRED = (*sorted(BOOK_LLAMA_FIELDS), "mlp_size")
+REQUIRED_FIELD = object()  # a field with no default: absent or null is an error
 # transformers' default key/value heads where a config has none (None: all heads)
 KV_HEADS = {"llama": None, "mistral": 8, "qwen2": 32}
 # The flags that override a config's fields, and each family's name for the field.
@@ -168,7 +173,7 @@ class Architecture:
         return self.layers * block + outside
 
 
-def read_config(path: str | Path) -> dict[str, Any]:
+def read_config_json(path: str | Path) -> dict[str, Any]:
     """A config.json as a dict, or an error naming the file and what was expected."""
     path = Path(path)
     try:
@@ -177,11 +182,19 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(
             f"{path}: no such file (expected a model's config.json)"
         ) from None
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path}: not JSON ({error})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: holds a JSON {type(config).__name__}, not an object")
     return config
+
+
+def read_architecture(
+    path: str | Path, overrides: Mapping[str, int | None] | None = None
+) -> Architecture:
+    """The ``Architecture`` of a config.json, with flags' overrides; errors name it."""
+    config = read_config_json(path)
+    return architecture(with_overrides(config, overrides or {}, str(path)), str(path))
 
 
 def family_of(config: Mapping[str, Any], source: str = "config") -> str:
@@ -196,16 +209,18 @@ def family_of(config: Mapping[str, Any], source: str = "config") -> str:
             f"{source}: model_type {model_type!r} is not one the calculator knows; "
             f"known: {', '.join(FAMILIES)} (and the book's GPTConfig and LlamaConfig "
             "fields). For another architecture, run its training step on fake "
-            "tensors instead (torchbook.book.dry_run.fake_peak_bytes)"
+            "tensors instead (torchbook.memory.tracker.fake_step_peak)"
         )
     return model_type
 
 
 def with_overrides(
-    config: Mapping[str, Any], overrides: Mapping[str, int | None]
+    config: Mapping[str, Any],
+    overrides: Mapping[str, int | None],
+    source: str = "config",
 ) -> dict[str, Any]:
     """``config`` with the flags that were given (not None) written into its fields."""
-    family = family_of(config)
+    family = family_of(config, source)
     book = family == "torchbook-gpt" or "n_kv_head" in config
     style = "book" if book else "gpt2" if family == "gpt2" else "hf"
     changed = dict(config)
@@ -219,94 +234,159 @@ def with_overrides(
     return changed
 
 
+class _Fields:
+    """A config's fields read one by one, each checked for its kind of value.
+
+    transformers' config classes accept any JSON and fail later, inside the
+    model (a string width) or never (zero key/value heads read as "absent"),
+    so each field the calculator reads is checked here, by name.
+    """
+
+    EXPECTED = {
+        "size": "a positive integer",
+        "flag": "true or false",
+        "rate": "a number in [0, 1)",
+    }
+
+    def __init__(self, config: Mapping[str, Any], source: str) -> None:
+        self.config, self.source = config, source
+
+    def get(self, key: str, kind: str = "size", default: Any = REQUIRED_FIELD) -> Any:
+        """``config[key]`` checked to be ``kind``; ``default`` if absent or null."""
+        value = self.config.get(key)
+        if value is None and default is not REQUIRED_FIELD:
+            return default
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        valid = {
+            "size": number and isinstance(value, int) and value >= 1,
+            "flag": isinstance(value, bool),
+            "rate": number and 0 <= value < 1,
+        }[kind]
+        if not valid:
+            raise ValueError(
+                f"{self.source}: {key} must be {self.EXPECTED[kind]}, got {value!r}"
+            )
+        return value
+
+
 def architecture(config: Mapping[str, Any], source: str = "config") -> Architecture:
-    """An ``Architecture`` from a config dict (Hugging Face's, or the book's fields)."""
+    """An ``Architecture`` from a config dict (Hugging Face's, or the book's fields).
+
+    Errors name ``source`` (the file) and the field: a missing size, a value
+    of the wrong kind, or sizes that cannot make a model.
+    """
     family = family_of(config, source)
-    if family != "torchbook-gpt" and "n_kv_head" in config:
-        return _book_llama(config)
-    missing = [key for key in REQUIRED[family] if key not in config]
+    book_llama = family != "torchbook-gpt" and "n_kv_head" in config
+    required = BOOK_LLAMA_REQUIRED if book_llama else REQUIRED[family]
+    missing = [key for key in required if key not in config]
     if missing:
         raise ValueError(f"{source}: {family} config has no {', '.join(missing)}")
-    if family == "gpt2":
-        return _gpt2(config)
-    if family == "torchbook-gpt":
-        width = config["d_model"]
-        return Architecture(
-            family,
-            config["vocab_size"],
-            width,
-            config["n_layer"],
-            config["n_head"],
-            config["n_head"],
-            width // config["n_head"],
-            4 * width,  # models.MLP_EXPANSION
-            tied_embeddings=True,
-            qkv_bias=True,
-            attention_dropout=config.get("dropout", 0.0),
-            residual_dropout=config.get("dropout", 0.0),
-            embedding_dropout=config.get("dropout", 0.0),
-        )
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    fields = _Fields(config, source)
+    try:
+        if book_llama:
+            return _book_llama(fields)
+        if family == "gpt2":
+            return _gpt2(fields)
+        if family == "torchbook-gpt":
+            return _book_gpt(fields)
+        return _hugging_face(family, fields)
+    except ValueError as error:
+        message = str(error)
+        raise ValueError(
+            message if message.startswith(source) else f"{source}: {message}"
+        ) from None
+
+
+def _hugging_face(family: str, fields: _Fields) -> Architecture:
+    """Llama, Mistral and Qwen2: transformers' names, and its defaults when absent."""
+    heads, width = fields.get("num_attention_heads"), fields.get("hidden_size")
     window = None  # Mistral's default window is 4,096; Qwen2 uses one only if asked
-    if family == "mistral" or config.get("use_sliding_window", False):
-        window = config.get("sliding_window", 4096)
+    if family == "mistral" or fields.get("use_sliding_window", "flag", False):
+        window = fields.get("sliding_window", "size", None)
+        if family == "mistral" and "sliding_window" not in fields.config:
+            window = 4096
+    # absent: the family's default; null: every query head has its own
+    kv_default = (
+        KV_HEADS[family] if "num_key_value_heads" not in fields.config else None
+    )
+    attention_bias = fields.get("attention_bias", "flag", False)
     return Architecture(
         family,
-        config["vocab_size"],
-        config["hidden_size"],
-        config["num_hidden_layers"],
+        fields.get("vocab_size"),
+        width,
+        fields.get("num_hidden_layers"),
         heads,
-        config.get("num_key_value_heads", KV_HEADS[family]) or heads,
-        head_dim,
-        config["intermediate_size"],
-        tied_embeddings=config.get("tie_word_embeddings", False),
-        qkv_bias=family == "qwen2" or config.get("attention_bias", False),
-        output_bias=family == "llama" and config.get("attention_bias", False),
-        mlp_bias=family == "llama" and config.get("mlp_bias", False),
-        attention_dropout=config.get("attention_dropout", 0.0),
+        fields.get("num_key_value_heads", "size", kv_default or heads),
+        fields.get("head_dim", "size", width // heads),
+        fields.get("intermediate_size"),
+        tied_embeddings=fields.get("tie_word_embeddings", "flag", False),
+        qkv_bias=family == "qwen2" or attention_bias,
+        output_bias=family == "llama" and attention_bias,
+        mlp_bias=family == "llama" and fields.get("mlp_bias", "flag", False),
+        attention_dropout=fields.get("attention_dropout", "rate", 0.0),
         sliding_window=window,
     )
 
 
-def _gpt2(config: Mapping[str, Any]) -> Architecture:
-    """GPT-2's names: n_embd, n_layer, n_head, n_inner (None: 4 x n_embd), *_pdrop."""
-    width, heads = config["n_embd"], config["n_head"]
+def _book_gpt(fields: _Fields) -> Architecture:
+    """The book's ``GPTConfig`` fields (``torchbook.models``): GPT-2's layout, RoPE."""
+    width, heads = fields.get("d_model"), fields.get("n_head")
+    dropout = fields.get("dropout", "rate", 0.0)
     return Architecture(
-        "gpt2",
-        config["vocab_size"],
+        "torchbook-gpt",
+        fields.get("vocab_size"),
         width,
-        config["n_layer"],
+        fields.get("n_layer"),
         heads,
         heads,
         width // heads,
-        config.get("n_inner") or 4 * width,
-        tied_embeddings=config.get("tie_word_embeddings", True),
+        4 * width,  # models.MLP_EXPANSION
+        tied_embeddings=True,
         qkv_bias=True,
-        positions=config.get("n_positions", 1024),
-        attention_dropout=config.get("attn_pdrop", 0.1),
-        residual_dropout=config.get("resid_pdrop", 0.1),
-        embedding_dropout=config.get("embd_pdrop", 0.1),
+        attention_dropout=dropout,
+        residual_dropout=dropout,
+        embedding_dropout=dropout,
     )
 
 
-def _book_llama(config: Mapping[str, Any]) -> Architecture:
+def _gpt2(fields: _Fields) -> Architecture:
+    """GPT-2's names: n_embd, n_layer, n_head, n_inner (None: 4 x n_embd), *_pdrop."""
+    width, heads = fields.get("n_embd"), fields.get("n_head")
+    return Architecture(
+        "gpt2",
+        fields.get("vocab_size"),
+        width,
+        fields.get("n_layer"),
+        heads,
+        heads,
+        width // heads,
+        fields.get("n_inner", "size", 4 * width),
+        tied_embeddings=fields.get("tie_word_embeddings", "flag", True),
+        qkv_bias=True,
+        positions=fields.get("n_positions", "size", 1024),
+        attention_dropout=fields.get("attn_pdrop", "rate", 0.1),
+        residual_dropout=fields.get("resid_pdrop", "rate", 0.1),
+        embedding_dropout=fields.get("embd_pdrop", "rate", 0.1),
+    )
+
+
+def _book_llama(fields: _Fields) -> Architecture:
     """The book's ``LlamaConfig`` fields (``torchbook.llama``), as a ``llama``."""
-    width, heads = config["d_model"], config["n_head"]
+    width, heads = fields.get("d_model"), fields.get("n_head")
     return Architecture(
         "llama",
-        config["vocab_size"],
+        fields.get("vocab_size"),
         width,
-        config["n_layer"],
+        fields.get("n_layer"),
         heads,
-        config["n_kv_head"],
-        config.get("head_size") or width // heads,
-        config["mlp_size"],
-        tied_embeddings=config.get("tie_embeddings", False),
+        fields.get("n_kv_head"),
+        fields.get("head_size", "size", width // heads),
+        fields.get("mlp_size"),
+        tied_embeddings=fields.get("tie_embeddings", "flag", False),
     )
 
 
-def hf_config(arch: Architecture) -> dict[str, Any]:
+def to_transformers_config(arch: Architecture) -> dict[str, Any]:
     """A transformers config dict for ``arch``: what the fake-tensor check builds."""
     if arch.family == "torchbook-gpt":
         raise ValueError("the book's GPT has no transformers config")

@@ -1,6 +1,6 @@
 """A GPT's training FLOPs per token, two ways, and how close a step comes to the peak.
 
-It builds on ``torchbook.models`` (``GPTConfig``), ``torchbook.memory``
+It builds on ``torchbook.models`` (``GPTConfig``), ``torchbook.memory.gpt``
 (``matmul_parameter_count``) and ``torchbook.memory.measure``
 (``training_loss``/``training_step``, the book's training forward and step, so
 that the FLOPs counted and the step timed are the ones whose memory chapter 7
@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from torchbook.device import timed
-from torchbook.memory import matmul_parameter_count
+from torchbook.memory.gpt import matmul_parameter_count
 from torchbook.memory.measure import training_loss, training_step
 from torchbook.models import GPTConfig
 

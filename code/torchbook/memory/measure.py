@@ -1,9 +1,9 @@
 """A training step's memory, measured without any formula.
 
-``torchbook.memory`` predicts; this module measures, so that the two can be
-set side by side. It builds on ``torchbook.train`` (``summed_loss``, the
-book's forward and loss), ``torchbook.device``, and ``torchbook.memory`` for
-the names of the two loops it runs (no formula).
+``torchbook.memory.gpt`` predicts; this module measures, so that the two can
+be set side by side. It builds on ``torchbook.loss`` (``summed_loss``, the
+book's forward and loss), ``torchbook.device``, and the package's
+``__init__.py`` for the names of the two loops it runs (no formula).
 
 - ``state_bytes``: the bytes of the tensors that exist (parameters, their
   gradients, the optimizer's states), each storage counted once;
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchbook.device import autocast, synchronize
+from torchbook.loss import summed_loss
 from torchbook.memory import LOOPS
-from torchbook.train import summed_loss
 
 
 def training_loss(

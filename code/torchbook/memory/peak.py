@@ -23,7 +23,8 @@ candidates are:
   the size of the parameters, as PyTorch's documentation says).
 
 Each was checked against a fake-tensor run of transformers' model
-(``torchbook.memory.check``), on the CPU's kernels. ``python -m
+(``torchbook.memory.check``), on the CPU's kernels, and a 4-bit base
+against a measured QLoRA step (``torchbook.memory.qlora_step``). ``python -m
 torchbook.memory`` (``torchbook.memory.calculator``) prints it. It builds on
 ``torchbook.memory.configs`` and ``torchbook.memory.step``; it imports no
 torch.
@@ -34,15 +35,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from torchbook.memory import FP32, TrainingSetup
 from torchbook.memory.configs import Architecture
 from torchbook.memory.step import (
     ADAPTER,
-    FP32,
-    Setup,
     activation_terms,
     block_bytes,
     element_bytes,
     kept_bytes,
+    mlp_bytes,
     state_bytes,
     trainable,
 )
@@ -57,19 +58,19 @@ class Prediction:
     optimizer_states: int
     gradient_buckets: int
     activations: dict[str, int]
-    moments: dict[str, int]  # each busy moment of the step and its bytes
+    instants: dict[str, int]  # each busy instant of the step and its bytes
 
     @property
     def peak(self) -> int:
-        return max(self.moments.values())
+        return max(self.instants.values())
 
     @property
-    def peak_moment(self) -> str:
-        return max(self.moments, key=self.moments.get)
+    def peak_instant(self) -> str:
+        return max(self.instants, key=self.instants.get)
 
 
-def predict(arch: Architecture, setup: Setup) -> Prediction:
-    """Bytes per rank by kind, the saved activations, and each busy moment's total."""
+def predict(arch: Architecture, setup: TrainingSetup) -> Prediction:
+    """Bytes per rank by kind, the saved activations, and each busy instant's total."""
     terms = activation_terms(arch, setup)
     kinds = state_bytes(arch, setup)
     sizes, tokens = element_bytes(setup), setup.tokens
@@ -84,16 +85,16 @@ def predict(arch: Architecture, setup: Setup) -> Prediction:
     head_weights = vocab * width
     head_grad = sizes.grad * head_weights * full // shards
     cast = 2 * head_weights * (sizes.autocast or sizes.master > 0) * full
-    moments: dict[str, int] = {}
+    instants: dict[str, int] = {}
     logits = vocab * tokens
     if setup.trains == "frozen":  # the last hidden states, then the head's weight
         # copy and logits, then the float32 logits and log-probabilities
         hidden = (sizes.residual + a * sizes.autocast) * width * tokens
         copy = 2 * head_weights * sizes.autocast
         float_logits = (a + FP32 * (a < FP32) + FP32) * logits
-        moments["forward: the head"] = always + hidden + copy + a * logits
-        moments["forward: the loss"] = always + hidden + float_logits
-        return _prediction(kinds, terms, moments)
+        instants["forward: the head"] = always + hidden + copy + a * logits
+        instants["forward: the loss"] = always + hidden + float_logits
+        return _prediction(kinds, terms, instants)
     # autocast keeps each trainable weight's bf16 copy until the forward ends,
     # also the copies a checkpointed block does not save
     cached = 2 * _matmul_weights(arch, setup) * sizes.autocast
@@ -101,18 +102,18 @@ def predict(arch: Architecture, setup: Setup) -> Prediction:
     forward += in_flight.get("forward", 0)
     if setup.loss_chunks == 1:
         float_copy = FP32 * logits * (a < FP32)
-        moments["forward: the loss"] = forward + a * logits + float_copy
+        instants["forward: the loss"] = forward + a * logits + float_copy
         # the gradients of the log-probabilities and of the float32 logits
         backward = always + in_flight.get("backward", 0)
-        moments["backward: the loss"] = backward + saved + 2 * FP32 * logits
+        instants["backward: the loss"] = backward + saved + 2 * FP32 * logits
         after_loss = saved - terms["cross-entropy"]
-        moments["backward: the head"] = (
+        instants["backward: the head"] = (
             backward + after_loss + a * logits + cast + head_grad
         )
     else:  # one slice at a time: its bf16 weight copy, logits, log-probs, gradients
         rows = setup.batch_size * math.ceil(setup.seq_len / setup.loss_chunks)
         copy = 2 * head_weights * sizes.autocast
-        moments["forward: a slice of the loss"] = (
+        instants["forward: a slice of the loss"] = (
             forward + (a + 2 * FP32) * vocab * rows
         )
         # the gradients of the head's weight and of the hidden states are summed
@@ -121,10 +122,10 @@ def predict(arch: Architecture, setup: Setup) -> Prediction:
         summed += sizes.residual * width * tokens
         slice_loss = copy + summed + 3 * FP32 * vocab * rows
         backward = always + in_flight.get("backward", 0)
-        moments["backward: a slice of the loss"] = backward + saved + slice_loss
+        instants["backward: a slice of the loss"] = backward + saved + slice_loss
         slice_head = copy + 2 * summed + a * vocab * rows
-        moments["backward: a slice's head"] = backward + saved + slice_head
-        moments["backward: the head"] = backward + saved + cast + head_grad
+        instants["backward: a slice's head"] = backward + saved + slice_head
+        instants["backward: the head"] = backward + saved + cast + head_grad
     count, _ = trainable(arch, setup)
     block_grads = (count - (arch.outside_parameters() if full else 0)) // arch.layers
     block_grads = sizes.grad * block_grads // shards if full else ADAPTER * block_grads
@@ -133,13 +134,14 @@ def predict(arch: Architecture, setup: Setup) -> Prediction:
     # a block's backward starts in its MLP: the residual stream's gradient, two
     # gradients of the MLP's width, and its last matrix's weight gradient
     last = arch.projections()[-1]
-    transient = (sizes.residual * width + 2 * a * arch.intermediate_size) * tokens
+    mlp = mlp_bytes(setup) if arch.gated else a
+    transient = (sizes.residual * width + 2 * mlp * arch.intermediate_size) * tokens
     transient += (sizes.grad + 2 * sizes.autocast) * last.parameters * full // shards
     remaining = terms["blocks"] + terms["bf16 weight copies"] + terms["RoPE tables"]
     remaining += terms["embedding and ids"]
     done = head_grad
     for index in reversed(range(arch.layers)):
-        moments[f"backward: block {index}"] = (
+        instants[f"backward: block {index}"] = (
             always
             + remaining
             + done
@@ -151,7 +153,7 @@ def predict(arch: Architecture, setup: Setup) -> Prediction:
         done += block_grads
     # tied: the embedding's own gradient is added to the head's out of place
     embedding = 2 * sizes.grad * head_weights * full * arch.tied_embeddings // shards
-    moments["backward: the embedding"] = (
+    instants["backward: the embedding"] = (
         always + grads + embedding + terms["embedding and ids"]
     )
     if setup.optimizer != "none":
@@ -163,11 +165,11 @@ def predict(arch: Architecture, setup: Setup) -> Prediction:
                 * count
                 // (1 if setup.parallel in ("none", "ddp") else setup.ranks)
             )
-        moments["the optimizer step"] = always + grads + extra
-    return _prediction(kinds, terms, moments)
+        instants["the optimizer step"] = always + grads + extra
+    return _prediction(kinds, terms, instants)
 
 
-def _matmul_weights(arch: Architecture, setup: Setup) -> int:
+def _matmul_weights(arch: Architecture, setup: TrainingSetup) -> int:
     """Weights that go through a matmul and train: autocast caches their bf16 copies."""
     if setup.trains == "lora":
         return trainable(arch, setup)[0]
@@ -175,7 +177,7 @@ def _matmul_weights(arch: Architecture, setup: Setup) -> int:
     return arch.layers * blocks + arch.vocab_size * arch.hidden_size
 
 
-def _recompute(arch: Architecture, setup: Setup) -> int:
+def _recompute(arch: Architecture, setup: TrainingSetup) -> int:
     """Bytes a checkpointed block makes again in its backward pass."""
     if setup.checkpointing == "none":
         return 0
@@ -185,7 +187,7 @@ def _recompute(arch: Architecture, setup: Setup) -> int:
     return per_token * setup.tokens + copies
 
 
-def _fsdp_in_flight(arch: Architecture, setup: Setup) -> dict[str, int]:
+def _fsdp_in_flight(arch: Architecture, setup: TrainingSetup) -> dict[str, int]:
     """FSDP2's unsharded tensors: the root's parameters, and the blocks' in flight.
 
     The root (embeddings, final norm, head) stays gathered from its forward to
@@ -196,7 +198,7 @@ def _fsdp_in_flight(arch: Architecture, setup: Setup) -> dict[str, int]:
     unsharded gradients and the reduce-scatter's input.
     """
     sizes = element_bytes(setup)
-    gathered = FP32 if setup.precision in ("fp32", "bf16-autocast") else 2
+    gathered = FP32 if setup.precision in ("fp32", "bf16") else 2
     block = gathered * arch.block_parameters()
     grads = arch.block_parameters() if setup.trains == "all" else 0
     kept = 0 if setup.reshard_after_forward else block * arch.layers
@@ -209,7 +211,7 @@ def _fsdp_in_flight(arch: Architecture, setup: Setup) -> dict[str, int]:
 
 
 def _prediction(
-    kinds: dict[str, int], terms: dict[str, int], moments: dict[str, int]
+    kinds: dict[str, int], terms: dict[str, int], instants: dict[str, int]
 ) -> Prediction:
     names = ("parameters", "gradients", "optimizer_states", "gradient_buckets")
-    return Prediction(*(kinds[name] for name in names), terms, moments)
+    return Prediction(*(kinds[name] for name in names), terms, instants)

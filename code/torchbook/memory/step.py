@@ -1,14 +1,13 @@
 """A transformers model's training step: what it stores per rank, counted.
 
-``torchbook.memory`` counts the book's GPT; this module counts the models
+``torchbook.memory.gpt`` counts the book's GPT; this module counts the models
 readers fine-tune, as transformers implements them (``LlamaForCausalLM`` and
 its relatives, ``GPT2LMHeadModel``), from an ``Architecture`` of
-``torchbook.memory.configs``. A step is forward, loss, backward and the
-optimizer's step, as transformers' ``Trainer`` runs it: the loss is kept, the
-logits are not, the forward runs with ``use_cache=False`` and ``zero_grad``
-sets the gradients to None. ``Setup`` says how it runs and refuses what is
-meaningless (``ranks`` without a ``parallel``, an optimizer for a frozen
-model).
+``torchbook.memory.configs`` and a ``torchbook.memory.TrainingSetup``. A step
+is forward, loss, backward and the optimizer's step, as transformers'
+``Trainer`` runs it: the loss is kept, the logits are not, the forward runs
+with ``use_cache=False`` and ``zero_grad`` sets the gradients to None.
+``check_setup`` refuses what this module does not count.
 
 The four kinds of memory (Rajbhandari et al. 2020) per rank:
 
@@ -16,8 +15,9 @@ The four kinds of memory (Rajbhandari et al. 2020) per rank:
   precision (fp32 weights under bf16 autocast; pure bf16 weights, gradients
   and states; bf16 weights with float32 gradients, master weights and
   moments), what trains (everything; LoRA adapters as peft makes them, in
-  float32; or nothing) and the sharding (ZeRO-1 and 2 divide the states and
-  the gradients, FSDP2 everything);
+  float32; or nothing), the base's storage (QLoRA's 4-bit NF4 base, as
+  bitsandbytes stores it) and the sharding (ZeRO-1 and 2 divide the states
+  and the gradients, FSDP2 everything);
 - saved activations (``activation_terms``), counted operation by operation:
   an operation keeps an input only when a gradient needs it (a frozen matrix
   keeps no input, a matrix that trains does), so LoRA saves less.
@@ -25,10 +25,10 @@ The four kinds of memory (Rajbhandari et al. 2020) per rank:
 Attention is counted for SDPA's fused kernels, which keep one float32
 logsumexp per query and head instead of the (T, T) scores; with attention
 dropout the CPU falls back to the math path, which keeps three (T, T) tensors
-per head. ``device_type`` chooses the CPU's operations, which the fake-tensor
+per head. ``kernels`` chooses the CPU's operations, which the fake-tensor
 runs of ``torchbook.memory.check`` execute, or CUDA's, which only the formula
-covers. ``torchbook.memory.calculator`` turns these into the step's peak. It
-builds on ``torchbook.memory.configs``; it imports no torch.
+covers. ``torchbook.memory.peak`` turns these into the step's peak.
+It builds on ``torchbook.memory.configs``; it imports no torch.
 """
 
 from __future__ import annotations
@@ -36,14 +36,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from torchbook.memory import (
+    FP32,
+    INDEX,
+    OPTIMIZER_STATES,
+    SHARDED,
+    TrainingSetup,
+)
 from torchbook.memory.configs import Architecture, Projection
 
-PRECISIONS = ("bf16-autocast", "fp32", "bf16-pure", "bf16-master")
-OPTIMIZERS = ("adamw", "adamw-foreach", "sgd", "none")  # adamw: fused
-TRAINS = ("all", "lora", "frozen")
-CHECKPOINTING = ("none", "selective", "full")
-PARALLEL = ("none", "ddp", "zero1", "zero2", "fsdp")
-DEVICES = ("cuda", "cpu")
+TRANSFORMERS_PRECISIONS = ("fp32", "bf16", "bf16-pure", "bf16-master")
 LORA_DEFAULTS = {  # peft's default target modules for each family
     "llama": ("q_proj", "v_proj"),
     "mistral": ("q_proj", "v_proj"),
@@ -51,92 +53,14 @@ LORA_DEFAULTS = {  # peft's default target modules for each family
     "gpt2": ("c_attn",),
 }
 ADAPTER = 4  # bytes: peft keeps LoRA adapters in float32 whatever the base's dtype
-INDEX = 8  # an int64 token id or target
-FP32 = 4
-
-
-@dataclass(frozen=True)
-class Setup:
-    """How a step runs besides the model: batch, precision, what trains, sharding."""
-
-    batch_size: int = 1  # rows per micro-batch, per rank
-    seq_len: int = 2048  # tokens per row
-    precision: str = "bf16-autocast"  # one of PRECISIONS
-    optimizer: str = "adamw"  # one of OPTIMIZERS
-    trains: str = "all"  # one of TRAINS
-    lora_rank: int = 8
-    lora_targets: tuple[str, ...] = ()  # (): peft's default for the family
-    checkpointing: str = "none"  # one of CHECKPOINTING, per block
-    loss_chunks: int = 1  # head and loss over this many slices of the sequence
-    parallel: str = "none"  # one of PARALLEL
-    ranks: int = 1  # data-parallel ranks
-    bucket_view: bool = False  # DDP's gradient_as_bucket_view
-    reshard_after_forward: bool = True  # FSDP2's
-    device_type: str = "cuda"  # whose operations: "cuda", or "cpu" (checked)
-
-    def __post_init__(self) -> None:
-        for name, allowed in (
-            ("precision", PRECISIONS),
-            ("optimizer", OPTIMIZERS),
-            ("trains", TRAINS),
-            ("checkpointing", CHECKPOINTING),
-            ("parallel", PARALLEL),
-            ("device_type", DEVICES),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r}; expected one of {allowed}"
-                )
-        for name in ("batch_size", "seq_len", "lora_rank", "loss_chunks", "ranks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        refusals = [
-            (
-                self.parallel == "none" and self.ranks > 1,
-                f"ranks={self.ranks} with parallel='none': choose {PARALLEL[1:]}",
-            ),
-            (self.bucket_view and self.parallel != "ddp", "bucket_view is DDP's"),
-            (
-                not self.reshard_after_forward and self.parallel != "fsdp",
-                "reshard_after_forward is FSDP2's",
-            ),
-            (self.loss_chunks > self.seq_len, "loss_chunks > seq_len"),
-            (
-                self.loss_chunks > 1 and self.parallel == "fsdp",
-                "FSDP2 gathers the head in the root's forward, which a chunked "
-                "loss runs outside",
-            ),
-            (
-                self.trains == "frozen"
-                and (self.optimizer, self.checkpointing) != ("none", "none"),
-                "a frozen model has no optimizer and no backward to checkpoint "
-                "(optimizer='none', checkpointing='none')",
-            ),
-            (
-                self.trains == "frozen" and self.parallel != "none",
-                "a frozen model's forward is not data-parallel training",
-            ),
-            (
-                self.trains != "lora" and self.lora_targets,
-                "lora_targets without trains='lora'",
-            ),
-            (
-                self.trains == "lora" and self.precision == "bf16-master",
-                "peft keeps LoRA adapters in float32: they are their own master "
-                "copy; use bf16-pure",
-            ),
-            (
-                self.precision == "bf16-master" and self.optimizer == "none",
-                "bf16-master keeps its float32 copy for an optimizer",
-            ),
-        ]
-        for refused, reason in refusals:
-            if refused:
-                raise ValueError(f"meaningless setup: {reason}")
-
-    @property
-    def tokens(self) -> int:
-        return self.batch_size * self.seq_len
+# QLoRA's 4-bit base as bitsandbytes stores it (Dettmers et al. 2023): two NF4
+# codes per byte; one absmax scale per block of 64 weights, itself quantized to
+# 8 bits in blocks of 256 scales with a float32 scale each (double quantization);
+# and per matrix the 16 NF4 levels, the 256 levels of the scales' 8-bit code and
+# the scales' mean, all float32. Computed in bf16 (bnb_4bit_compute_dtype).
+NF4_BLOCK = 64
+NF4_SCALE_BLOCK = 256
+NF4_PER_MATRIX = FP32 * (16 + 256 + 1)
 
 
 @dataclass(frozen=True)
@@ -152,7 +76,7 @@ class Bytes:
     autocast: bool  # fp32 weights, each cast to bf16 by its matmul (and kept)
 
 
-def element_bytes(setup: Setup) -> Bytes:
+def element_bytes(setup: TrainingSetup) -> Bytes:
     """The element sizes of ``setup.precision``.
 
     bf16-master is FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16,
@@ -163,7 +87,7 @@ def element_bytes(setup: Setup) -> Bytes:
     """
     if setup.precision == "fp32":
         return Bytes(4, 4, 4, 4, 4, 0, False)
-    if setup.precision == "bf16-autocast":
+    if setup.precision == "bf16":  # autocast over float32 weights
         return Bytes(4, 2, 4, 4, 4, 0, True)
     if setup.precision == "bf16-pure":
         return Bytes(2, 2, 2, 2, 2, 0, False)
@@ -172,7 +96,18 @@ def element_bytes(setup: Setup) -> Bytes:
     return Bytes(2, 2, 2, 4, 4, 4, False)
 
 
-def lora_targets(arch: Architecture, setup: Setup) -> tuple[str, ...]:
+def mlp_bytes(setup: TrainingSetup) -> int:
+    """Bytes per number of the MLP's gate and up outputs (a Llama's).
+
+    A matmul's output, except that bitsandbytes' 4-bit layer casts its output
+    back to its input's dtype: float32 under autocast, where a norm feeds it
+    float32 (measured). Attention's inputs are cast to bf16 by autocast anyway.
+    """
+    sizes = element_bytes(setup)
+    return sizes.residual if setup.base == "nf4" and sizes.autocast else sizes.compute
+
+
+def lora_targets(arch: Architecture, setup: TrainingSetup) -> tuple[str, ...]:
     """The projections that get adapters; refuses a name the block has not."""
     if setup.trains != "lora":
         return ()
@@ -189,28 +124,63 @@ def lora_targets(arch: Architecture, setup: Setup) -> tuple[str, ...]:
     return tuple(targets)
 
 
-def check_setup(arch: Architecture, setup: Setup) -> None:
+def check_setup(arch: Architecture, setup: TrainingSetup) -> None:
     """Refuse what the model cannot run or this module does not count."""
     lora_targets(arch, setup)
     if arch.family == "torchbook-gpt":
-        raise ValueError("the book's GPT is predicted by torchbook.memory")
-    if arch.positions and setup.seq_len > arch.positions:
-        raise ValueError(
-            f"seq_len={setup.seq_len} is past the {arch.positions} learned positions"
-        )
-    if arch.sliding_window and setup.seq_len > arch.sliding_window:
-        raise ValueError(
+        raise ValueError("the book's GPT is predicted by torchbook.memory.gpt")
+    refusals = [
+        (
+            setup.precision not in TRANSFORMERS_PRECISIONS,
+            f"precision={setup.precision!r}: a transformers model is counted in "
+            f"{', '.join(TRANSFORMERS_PRECISIONS)}",
+        ),
+        (setup.loop != "trainer", "the tutorial loop is the book's GPT's"),
+        (setup.packed, "packed rows are counted for the book's GPT only"),
+        (
+            setup.base == "nf4" and not arch.gated,
+            "base='nf4' is counted for Llama, Mistral and Qwen2 models",
+        ),
+        (
+            setup.base == "nf4" and any(p.bias for p in arch.projections()),
+            "base='nf4' is counted for projections without biases",
+        ),
+        (
+            bool(arch.positions) and setup.seq_len > arch.positions,
+            f"seq_len={setup.seq_len} is past the {arch.positions} learned positions",
+        ),
+        (
+            bool(arch.sliding_window) and setup.seq_len > (arch.sliding_window or 0),
             f"seq_len={setup.seq_len} is past the sliding window "
-            f"({arch.sliding_window}): its attention mask is not counted"
-        )
-    if arch.gated and arch.attention_dropout > 0:
-        raise ValueError("attention dropout in a Llama-family model is not counted")
-    dropout = arch.attention_dropout or arch.residual_dropout or arch.embedding_dropout
-    if setup.checkpointing == "selective" and dropout:
-        raise ValueError("selective checkpointing is counted with dropout 0 only")
+            f"({arch.sliding_window}): its attention mask is not counted",
+        ),
+        (
+            arch.gated and arch.attention_dropout > 0,
+            "attention dropout in a Llama-family model is not counted",
+        ),
+        (
+            setup.checkpointing == "selective"
+            and bool(
+                arch.attention_dropout
+                or arch.residual_dropout
+                or arch.embedding_dropout
+            ),
+            "selective checkpointing is counted with dropout 0 only",
+        ),
+    ]
+    for refused, reason in refusals:
+        if refused:
+            raise ValueError(reason)
 
 
-def trainable(arch: Architecture, setup: Setup) -> tuple[int, int]:
+def nf4_bytes(weights: int) -> int:
+    """Bytes bitsandbytes stores for a matrix of ``weights`` in double-quantized NF4."""
+    scales = math.ceil(weights / NF4_BLOCK)  # one 8-bit absmax per block
+    second = math.ceil(scales / NF4_SCALE_BLOCK)  # one float32 per block of scales
+    return math.ceil(weights / 2) + scales + FP32 * second + NF4_PER_MATRIX
+
+
+def trainable(arch: Architecture, setup: TrainingSetup) -> tuple[int, int]:
     """(parameters, parameter tensors) that train: all, the adapters, or none."""
     if setup.trains == "all":
         return arch.parameter_count(), arch.parameter_tensors()
@@ -220,31 +190,47 @@ def trainable(arch: Architecture, setup: Setup) -> tuple[int, int]:
     return arch.layers * adapters, arch.layers * 2 * len(chosen)
 
 
-def state_bytes(arch: Architecture, setup: Setup) -> dict[str, int]:
+def parameter_bytes(arch: Architecture, setup: TrainingSetup) -> dict[str, int]:
+    """The parameters' bytes by storage: the weights as stored, and the adapters.
+
+    With ``base="nf4"`` every block projection is stored in 4 bits
+    (``nf4_bytes``); transformers leaves the embeddings, the norms and the
+    head (``lm_head``, and whatever is tied to it) in the model's dtype.
+    """
+    sizes, lora = element_bytes(setup), setup.trains == "lora"
+    adapters = ADAPTER * trainable(arch, setup)[0] if lora else 0
+    if setup.base != "nf4":
+        return {"weights": arch.parameter_count() * sizes.weight, "adapters": adapters}
+    matrices = [p.in_features * p.out_features for p in arch.projections()]
+    quantized = arch.layers * sum(nf4_bytes(weights) for weights in matrices)
+    kept = arch.parameter_count() - arch.layers * sum(matrices)
+    return {
+        "4-bit base weights": quantized,
+        "unquantized weights": kept * sizes.weight,
+        "adapters": adapters,
+    }
+
+
+def state_bytes(arch: Architecture, setup: TrainingSetup) -> dict[str, int]:
     """Parameters, gradients, optimizer states and DDP's buckets, per rank."""
+    check_setup(arch, setup)
     sizes, (count, tensors) = element_bytes(setup), trainable(arch, setup)
-    base = arch.parameter_count() * sizes.weight
     lora = setup.trains == "lora"
     grad = ADAPTER if lora else sizes.grad
     state = ADAPTER if lora else sizes.state
-    moments = {"adamw": 2, "adamw-foreach": 2, "sgd": 1, "none": 0}[setup.optimizer]
+    moments = OPTIMIZER_STATES[setup.optimizer]
     counters = FP32 * tensors if setup.optimizer.startswith("adamw") else 0
     kinds = {
-        "parameters": base + (ADAPTER * count if lora else 0),
+        "parameters": sum(parameter_bytes(arch, setup).values()),
         "gradients": grad * count,
         "optimizer_states": (moments * state + sizes.master) * count + counters,
         "gradient_buckets": 0,
     }
-    shards = {
-        "zero1": ("optimizer_states",),
-        "zero2": ("gradients", "optimizer_states"),
-        "fsdp": ("parameters", "gradients", "optimizer_states"),
-    }.get(setup.parallel, ())
-    for kind in shards:
+    for kind in SHARDED[setup.parallel]:
         kinds[kind] = math.ceil(kinds[kind] / setup.ranks)
     if setup.parallel == "ddp":  # buckets as large as the gradients, or the same memory
         kinds["gradient_buckets"] = kinds["gradients"]
-        if setup.bucket_view:
+        if setup.gradient_as_bucket_view:
             kinds["gradients"] = 0
     return kinds
 
@@ -258,7 +244,7 @@ class _Walk:
     the input needs a gradient). So ``grad`` flags follow which tensors need one.
     """
 
-    def __init__(self, arch: Architecture, setup: Setup) -> None:
+    def __init__(self, arch: Architecture, setup: TrainingSetup) -> None:
         self.arch, self.setup = arch, setup
         self.sizes = element_bytes(setup)
         self.trains = setup.trains == "all"
@@ -279,7 +265,7 @@ class _Walk:
             self.per_token += sizes.residual * width * self.trains
         elif x_grad or self.trains:  # mean and rstd: float32 on CUDA (unmeasured),
             # the input's dtype on the CPU (measured)
-            stats = FP32 if self.setup.device_type == "cuda" else sizes.residual
+            stats = FP32 if self.setup.kernels == "cuda" else sizes.residual
             self.per_token += sizes.residual * width + 2 * stats
         return x_grad or self.trains
 
@@ -297,7 +283,10 @@ class _Walk:
         elif self.trains and not shared[0]:
             self.per_token += width * p.in_features
             shared[0] = True
-        self.copies += 2 * p.in_features * p.out_features * (sizes.autocast and x_grad)
+        # bitsandbytes dequantizes a 4-bit weight inside its own operation, which
+        # keeps the packed weight only: autocast makes no copy of it
+        copy = sizes.autocast and x_grad and self.setup.base != "nf4"
+        self.copies += 2 * p.in_features * p.out_features * copy
         adapter = p.name in self.targets
         if adapter and sizes.autocast:  # peft casts the input to float32, autocast
             self.per_token += 2 * (p.in_features + rank)  # to bf16: A's own copy
@@ -314,9 +303,7 @@ class _Walk:
     def dropout(self, x_grad: bool, width: int, element: int) -> None:
         """A dropout mask: the input's dtype on the CPU; on CUDA (unmeasured) bools."""
         if self.arch.residual_dropout > 0 and x_grad:
-            self.per_token += width * (
-                1 if self.setup.device_type == "cuda" else element
-            )
+            self.per_token += width * (1 if self.setup.kernels == "cuda" else element)
 
     def llama_block(self, x_grad: bool) -> bool:
         """A Llama, Mistral or Qwen2 layer; returns whether its output needs grad."""
@@ -335,7 +322,8 @@ class _Walk:
         shared = [False]
         g_grad, u_grad = (self.matmul(p, h, shared) for p in (gate, up))
         # silu keeps gate's output; the product keeps silu's and up's outputs
-        self.per_token += a * arch.intermediate_size * (2 * g_grad + u_grad)
+        mlp = mlp_bytes(self.setup)
+        self.per_token += mlp * arch.intermediate_size * (2 * g_grad + u_grad)
         return self.matmul(down, g_grad or u_grad, [False]) or x_grad
 
     def gpt2_block(self, x_grad: bool) -> bool:
@@ -345,7 +333,7 @@ class _Walk:
         c_attn, c_proj, c_fc, mlp_proj = arch.projections()
         h = self.norm(x_grad)
         qkv_grad = self.matmul(c_attn, h, [False])
-        math_path = setup.device_type == "cpu" and arch.attention_dropout > 0
+        math_path = setup.kernels == "cpu" and arch.attention_dropout > 0
         if qkv_grad and math_path:  # float32 q, k, v and three (T, T) per head
             scores = 3 * FP32 * arch.heads * setup.seq_len
             self.per_token += 3 * FP32 * width + scores
@@ -355,7 +343,7 @@ class _Walk:
         self.dropout(proj_grad, width, a)
         x_grad = x_grad or proj_grad
         fc_grad = self.matmul(c_fc, self.norm(x_grad), [False])
-        if fc_grad and setup.device_type == "cuda" and self.sizes.autocast:
+        if fc_grad and setup.kernels == "cuda" and self.sizes.autocast:
             # CUDA's autocast runs pow in float32 (PyTorch's autocast op list):
             # float32 pow input, tanh, 1 + tanh; bf16 0.5x
             self.per_token += (3 * FP32 + 2) * hidden
@@ -369,14 +357,16 @@ class _Walk:
         return self.llama_block(x_grad) if self.arch.gated else self.gpt2_block(x_grad)
 
 
-def block_bytes(arch: Architecture, setup: Setup, x_grad: bool) -> tuple[int, int]:
+def block_bytes(
+    arch: Architecture, setup: TrainingSetup, x_grad: bool
+) -> tuple[int, int]:
     """(bytes per token, bf16 weight copies) one un-checkpointed block saves."""
     walk = _Walk(arch, setup)
     walk.block(x_grad)
     return walk.per_token, walk.copies
 
 
-def kept_bytes(arch: Architecture, setup: Setup) -> int:
+def kept_bytes(arch: Architecture, setup: TrainingSetup) -> int:
     """Bytes per token a selectively checkpointed block keeps besides its input.
 
     The policy of ``torchbook.recompute``: every matmul's output (adapters'
@@ -393,7 +383,7 @@ def kept_bytes(arch: Architecture, setup: Setup) -> int:
     return a * (outputs + adapters) + attention
 
 
-def activation_terms(arch: Architecture, setup: Setup) -> dict[str, int]:
+def activation_terms(arch: Architecture, setup: TrainingSetup) -> dict[str, int]:
     """Bytes autograd keeps for the backward pass, by where they come from.
 
     Blocks: ``_Walk`` (a checkpointed block keeps its input, and selectively
@@ -424,7 +414,7 @@ def activation_terms(arch: Architecture, setup: Setup) -> dict[str, int]:
         blocks = first + (arch.layers - 1) * later
     ids = INDEX * tokens * full + INDEX * setup.seq_len * (arch.positions > 0) * full
     if arch.embedding_dropout > 0 and full:
-        mask = 1 if setup.device_type == "cuda" else sizes.residual
+        mask = 1 if setup.kernels == "cuda" else sizes.residual
         ids += mask * width * tokens
     final = _Walk(arch, setup)
     final.norm(needs_grad)
