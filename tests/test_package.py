@@ -50,7 +50,7 @@ def package_imports(path: Path) -> set[str]:
     """The ``torchbook`` modules that ``path`` imports, named relative to the package.
 
     ``from torchbook.book import lab`` names ``book.lab``; ``from torchbook.memory
-    import TrainingShape`` names ``memory``. Imports inside functions count too.
+    import TrainingSetup`` names ``memory``. Imports inside functions count too.
     """
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
