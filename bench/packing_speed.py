@@ -42,7 +42,7 @@ from torchbook.tokenizer import PAD, cached_tokenizer
 
 
 def conversations(records: int, vocab_size: int) -> tuple[list[dict], int]:
-    """Chat examples from Tiny Shakespeare, as chapter 8 builds them, and the pad id."""
+    """Chat examples (a speech, the next one as the answer) and the pad id."""
     text = shakespeare_path().read_text()
     tokenizer = cached_tokenizer(
         cache_dir() / "bench" / f"tokenizer-{vocab_size}.json",

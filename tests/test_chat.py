@@ -11,6 +11,7 @@ from torchbook.chat import (
     ChatTemplate,
     PadCollate,
     chat_example,
+    greedy_answers_correct,
     pack_documents,
     render_chat,
 )
@@ -63,15 +64,16 @@ def test_rendering_refuses_an_unknown_role_with_its_position():
         render_chat([MESSAGES[0], {"role": "system", "content": "x"}])
 
 
-def test_padding_masks_attention_and_labels_of_the_pad_positions():
+def test_padding_goes_on_the_right_with_no_label_and_no_attention_mask():
     examples = [
         chat_example(MESSAGES[:2], char_encode),
         chat_example(MESSAGES[2:], char_encode),
     ]
     batch = PadCollate(pad_id=0)(examples)
     lengths = [len(e["input_ids"]) for e in examples]
+    # a mask that no model reads is not built: right padding needs none
+    assert set(batch) == {"input_ids", "labels"}
     assert batch["input_ids"].shape == (2, max(lengths))
-    assert batch["attention_mask"].sum(1).tolist() == lengths
     for row, example in enumerate(examples):
         n = lengths[row]
         assert batch["input_ids"][row, :n].tolist() == example["input_ids"]
@@ -79,6 +81,47 @@ def test_padding_masks_attention_and_labels_of_the_pad_positions():
         assert (batch["labels"][row, n:] == IGNORE_INDEX).all() and (
             batch["input_ids"][row, n:] == 0
         ).all()
+
+
+def test_right_padded_causal_logits_of_real_tokens_equal_the_logits_alone():
+    # why PadCollate needs no attention mask: a causal model's real tokens never
+    # attend to the pads that follow them
+    torch.manual_seed(0)
+    model = GPT(
+        GPTConfig(vocab_size=128, block_size=96, n_layer=2, n_head=2, d_model=32)
+    ).eval()
+    examples = [
+        chat_example(MESSAGES[:2], char_encode),
+        chat_example(MESSAGES[2:], char_encode),
+    ]
+    batch = PadCollate(pad_id=0)(examples)
+    with torch.no_grad():
+        padded = model(batch["input_ids"])
+        for row, example in enumerate(examples):
+            alone = model(torch.tensor([example["input_ids"]]))[0]
+            # 1e-5: the same weights and tokens; only float32 summation order
+            # over a longer row differs (masked keys weigh exactly 0)
+            torch.testing.assert_close(
+                padded[row, : len(alone)], alone, atol=1e-5, rtol=0
+            )
+
+
+def test_greedy_answers_correct_marks_the_examples_whose_every_target_is_argmax():
+    examples = documents((3, 4, 2))
+    packed = pack_documents(examples, row_length=10)
+    targets = packed["targets"]
+    vocab = 50
+    # logits whose argmax is the target everywhere ...
+    logits = torch.zeros(*targets.shape, vocab)
+    learned = targets != IGNORE_INDEX
+    logits[learned.nonzero(as_tuple=True) + (targets[learned],)] = 1.0
+    right = greedy_answers_correct(logits, targets, packed["document_ids"])
+    assert right.tolist() == [True, True, True]
+    # ... then one wrong token in example 1 makes it, and only it, wrong
+    row, column = (packed["document_ids"] == 1).nonzero()[0].tolist()
+    logits[row, column, (targets[row, column] + 1) % vocab] = 2.0
+    wrong = greedy_answers_correct(logits, targets, packed["document_ids"])
+    assert wrong.tolist() == [True, False, True]
 
 
 def documents(lengths, seed=0, vocab_size=50):

@@ -44,7 +44,8 @@ Models, training and data:
 - ``tokenizer``: a byte-level BPE tokenizer trained locally with ``tokenizers``, and
   documents encoded for shards, each ended by ``<|endoftext|>``.
 - ``chat``: chat records into training examples (template, prompt masking,
-  ``IGNORE_INDEX``, padding, packing with per-document masks).
+  ``IGNORE_INDEX``, padding, packing with per-document masks) and their greedy
+  accuracy.
 - ``hf``: the tokenizer and chat template as a ``transformers`` tokenizer (builds on
   ``chat`` and ``tokenizer``).
 

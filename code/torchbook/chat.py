@@ -11,14 +11,20 @@ shift by one when computing the loss: ``x = input_ids[:, :-1]``,
 
 Two ways to batch examples of different lengths:
 
-- ``PadCollate`` pads each batch to its longest example and returns an
-  ``attention_mask`` (1 = real token, 0 = padding); padded labels are -100.
+- ``PadCollate`` pads each batch to its longest example, on the right, with
+  label -100 on the pads. A causal model's token attends only to earlier
+  tokens, so with the pads after the real ones no real token sees a pad and no
+  attention mask is needed.
 - ``pack_documents`` places whole examples side by side in rows and says
   where each one lies (``position_ids`` restarting at 0, ``document_ids``), so
-  a model that masks attention per document (``GPT.forward(idx, position_ids=...,
-  document_ids=...)``) computes each example exactly as if it were alone.
-  Concatenating examples and cutting fixed blocks wastes no position either,
-  but without such a mask attention crosses from one conversation into the next.
+  a model that masks attention per document (``Llama.forward(idx,
+  position_ids=..., document_ids=...)``) computes each example as if it were
+  alone. Concatenating examples and cutting fixed blocks wastes no position
+  either, but without such a mask attention crosses from one conversation into
+  the next.
+
+``greedy_answers_correct`` scores a fine-tune: which examples greedy decoding
+answers exactly, from one forward pass over their packed rows.
 """
 
 from __future__ import annotations
@@ -96,9 +102,14 @@ def chat_example(
 
 
 class PadCollate:
-    """Collate examples into padded tensors with an attention mask.
+    """Collate examples into ``input_ids`` and ``labels``, padded on the right.
 
-    A class, so DataLoader workers can pickle it.
+    No ``attention_mask``: every pad comes after the real tokens of its row,
+    and a causal model's token sees only the tokens before it, so the real
+    tokens compute what they would alone and the pads' outputs carry label
+    -100. (Left padding, which batched generation uses, puts pads before real
+    tokens and does need a mask; ``transformers``' collators return one, and
+    its models read it.) A class, so DataLoader workers can pickle it.
     """
 
     def __init__(self, pad_id: int) -> None:
@@ -109,17 +120,11 @@ class PadCollate:
         batch = len(examples)
         input_ids = torch.full((batch, length), self.pad_id, dtype=torch.long)
         labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
-        attention_mask = torch.zeros((batch, length), dtype=torch.long)
         for row, example in enumerate(examples):
             n = len(example["input_ids"])
             input_ids[row, :n] = torch.as_tensor(example["input_ids"])
             labels[row, :n] = torch.as_tensor(example["labels"])
-            attention_mask[row, :n] = 1
-        return {
-            "input_ids": input_ids,
-            "labels": labels,
-            "attention_mask": attention_mask,
-        }
+        return {"input_ids": input_ids, "labels": labels}
 
 
 def pack_documents(
@@ -183,3 +188,24 @@ def pack_documents(
         "position_ids": position_ids,
         "document_ids": document_ids,
     }
+
+
+def greedy_answers_correct(
+    logits: torch.Tensor, targets: torch.Tensor, document_ids: torch.Tensor
+) -> torch.Tensor:
+    """Whether greedy decoding reproduces each packed example's learned tokens.
+
+    ``logits`` (rows, row_length, vocab) come from one forward pass over the
+    rows ``pack_documents`` made, whose ``targets`` and ``document_ids`` are
+    given. At each position the model has the example's true tokens before
+    it, so the most likely token there is the one greedy decoding picks if it
+    got every earlier token right: an example whose every learned target is
+    its position's most likely token is one that greedy decoding answers
+    exactly, end marker included. Returns one bool per example.
+    """
+    learned = targets != IGNORE_INDEX
+    wrong = learned & (logits.argmax(dim=-1) != targets)
+    n_examples = int(document_ids.max()) + 1
+    wrong_per_example = torch.zeros(n_examples, dtype=torch.long, device=wrong.device)
+    wrong_per_example.index_add_(0, document_ids[learned], wrong[learned].long())
+    return wrong_per_example == 0

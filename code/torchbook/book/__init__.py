@@ -20,14 +20,26 @@ use anything in the package; a reader copies the modules one level up.
 - ``book.lab``: what the lab's drills share: the MLP, its evaluation, MNIST as
   resident tensors, the drills as runs (builds on ``book.download``,
   ``book.mnist``, ``book.profiles`` and ``optim``).
-- ``book.drills``: the exercise notebook's checkers (builds on ``book.lab``).
-- ``book.gpu_fit``: whether the book's GPU runs fit, and the fit policy (builds on
-  ``book.charlm``, ``book.profiles``, ``memory`` and ``models``).
+- ``book.drills``: what the exercise notebook's checkers share: their error, a
+  model's test accuracy, two state dicts compared (builds on ``book.lab``).
+- ``book.drills.training``: the checkers of drills 1 to 4, which train (builds
+  on ``book.lab``).
+- ``book.drills.after_training``: the checkers of drills 5 to 7, on drill 1's
+  trained model: bf16 autocast, a saved state dict, safetensors (builds on
+  ``book.lab``).
+- ``book.drills.notebook``: ``check(N, globals())``, which the notebook's check
+  cells call (builds on ``book.drills.after_training`` and
+  ``book.drills.training``).
+- ``book.gpu_fit``: whether the book's GPU runs fit (builds on ``book.charlm``,
+  ``book.profiles``, ``memory``, ``memory.fit``, ``memory.gpt`` and ``models``).
 - ``book.results``: results of full-size runs as JSON with provenance, and their
   staleness.
 - ``book.dry_run``: the GPU job's own run functions at full size on fake tensors
   (builds on ``book.charlm``, ``book.gpu_fit``, ``book.lab``, ``book.profiles``,
-  ``memory``, ``memory.measure``, ``models`` and ``train``).
+  ``memory``, ``memory.gpt``, ``memory.measure``, ``memory.tracker``, ``models``
+  and ``train``).
 - ``book.stand_in``: the stand-in "pretrained" checkpoint, made with
   ``transformers`` (builds on ``book.profiles``, ``hf`` and ``tokenizer``).
+- ``book.questions``: chapter 9's task, chats from Tiny Shakespeare whose answer
+  says whether a line asks a question.
 """
