@@ -77,7 +77,6 @@ def fake_event(key, device_type, self_cpu=0, self_device=0, count=1):
 def test_the_profiler_cell_counts_each_cuda_kernel_once(monkeypatch, capsys):
     from torch.autograd import DeviceType
 
-    cell, inline = cell_and_inline_values("06-devices.qmd", "torch.profiler.profile(")
     # On CUDA each kernel is an event of the GPU's type, and the operation that
     # launched it carries the kernel's time as its own device time.
     events = [
@@ -88,30 +87,7 @@ def test_the_profiler_cell_counts_each_cuda_kernel_once(monkeypatch, capsys):
         fake_event("cudaLaunchKernel", DeviceType.CPU, self_cpu=40),
     ]
 
-    class FakeProfiler:
-        def __init__(self, activities):
-            assert torch.profiler.ProfilerActivity.CUDA in activities
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def key_averages(self):
-            return events
-
-    monkeypatch.setattr(torch.profiler, "profile", FakeProfiler)
-    namespace = {
-        "os": os,
-        "torch": torch,
-        "profile": cuda_profile(),
-        "trainers": {"eager": types.SimpleNamespace(train_step=lambda batch: None)},
-        "step_batch": None,
-        "synchronize": lambda device: None,
-    }
-    exec(cell, namespace)
-    exec(inline, namespace)
+    namespace = run_profiler_cell(monkeypatch, events)
     assert namespace["total_us"] == 400  # the kernels' time, once
     assert [event.key for event in namespace["top"]] == [
         "aten::mm",
