@@ -155,7 +155,7 @@ def train_epoch(
     drop_last: bool = False,
     max_steps: int | None = None,
 ) -> list[Tensor]:
-    """One epoch of optimizer steps as chapter 10 writes them; losses stay on the device.
+    """One epoch of optimizer steps as chapter 10 writes them; losses stay on device.
 
     Each micro-batch's loss is summed over its examples and divided by the
     whole batch's size, so ``accum_steps`` micro-batches give the gradient of
