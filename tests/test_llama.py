@@ -321,7 +321,7 @@ def test_a_position_id_outside_the_row_is_refused_naming_the_argument(position):
 
 
 def test_weights_start_at_the_gpts_initialisation():
-    # one home: models.init_weights, N(0, INIT_STD) for every linear and embedding
+    # one home: decoder.init_weights, N(0, INIT_STD) for every linear and embedding
     torch.manual_seed(0)
     model = Llama(
         LlamaConfig(

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from torchbook.memory import TrainingSetup
-from torchbook.memory.calculator import NOT_COUNTED, main
+from torchbook.memory.calculator import NOT_COUNTED, estimate, main
 from torchbook.memory.configs import architecture
 from torchbook.memory.fit import GIB
 from torchbook.memory.peak import predict
@@ -221,3 +221,36 @@ def test_a_4_bit_base_without_lora_is_refused_by_name(config, capsys):
         main(["--config", config, "--base", "nf4"])
     assert exit.value.code == 2
     assert "base='nf4' is QLoRA's frozen base" in capsys.readouterr().err
+
+
+def test_estimate_returns_what_json_prints(tmp_path, capsys):
+    # Scripts and notebooks read the report as a dict; it must be --json's, key for key.
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 128,
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+            }
+        ),
+        encoding="utf-8",
+    )
+    flags = ["--config", str(config), "--trains", "lora", "--batch", "2"]
+    main([*flags, "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    assert estimate(flags) == printed
+    assert isinstance(printed["trainable_parameters"], int)
+
+
+def test_estimate_raises_on_a_bad_field_and_prints_nothing(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps({"model_type": "llama", "num_attention_heads": 0}), encoding="utf-8"
+    )
+    with pytest.raises(ValueError, match="config.json"):
+        estimate(["--config", str(config)])
+    assert capsys.readouterr().out == ""

@@ -419,6 +419,20 @@ def calculate(args: argparse.Namespace) -> tuple[dict[str, Any], str, list[str]]
     return result, title, assumptions(arch, setup, source, book_llama)
 
 
+def json_report(result: dict[str, Any], title: str, notes: list[str]) -> dict:
+    """What ``--json`` prints: the named keys scripts read, without the table's rows."""
+    data = {key: value for key, value in result.items() if key != "rows"}
+    return {"title": title, **data, "assumptions": notes}
+
+
+def estimate(argv: list[str]) -> dict[str, Any]:
+    """The ``--json`` report for these flags, as a dict: for scripts and notebooks.
+
+    Nothing is printed; a bad file, field or combination raises ``ValueError``.
+    """
+    return json_report(*calculate(build_parser().parse_args(argv)))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the flags, print the report (a table, or ``--json``).
 
@@ -430,9 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         result, title, notes = calculate(args)
     except ValueError as error:  # names the file, field or flag, and what was expected
         parser.error(str(error))
-    if args.json:  # the rows are the table's; scripts read the named keys
-        data = {key: value for key, value in result.items() if key != "rows"}
-        print(json.dumps({"title": title, **data, "assumptions": notes}, indent=2))
+    if args.json:
+        print(json.dumps(json_report(result, title, notes), indent=2))
     else:
         print(table(result, title, notes))
     return 0
